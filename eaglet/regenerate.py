@@ -1,0 +1,43 @@
+"""Regenerate responses with the verifier (vLLM), so the draft learns the verifier's own outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eaglet.data import prompt_part, read_conversations, write_conversations
+from eaglet.vllm_run import run_vllm_job
+
+
+def regenerate_responses(
+    verifier_path: str,
+    conversations_file: Path,
+    out_file: Path,
+    max_new_tokens: int,
+    max_model_len: int,
+    temperature: float = 0.0,
+    responses_per_prompt: int = 1,
+    seed: int = 0,
+) -> dict:
+    rows = read_conversations(conversations_file)
+    prompts = [prompt_part(msgs) for msgs in rows]
+    result = run_vllm_job({
+        "verifier": verifier_path,
+        "conversations": prompts,
+        "max_tokens": max_new_tokens,
+        "max_model_len": max_model_len,
+        "temperature": temperature,
+        "n": responses_per_prompt,
+        "seed": seed,
+    })
+    out_rows = []
+    for prompt, texts in zip(prompts, result["texts"]):
+        for text in texts:
+            if text.strip():
+                out_rows.append(prompt + [{"role": "assistant", "content": text}])
+    write_conversations(out_file, out_rows)
+    return {
+        "conversations": len(out_rows),
+        "output_tokens": result["output_tokens"],
+        "seconds": result["seconds"],
+        "tokens_per_s": result["tokens_per_s"],
+    }

@@ -1,0 +1,58 @@
+"""vLLM smoke-load: verifier alone and verifier + EAGLE-3 draft, greedy, on held-out prompts.
+
+Reports mean acceptance length (1 + accepted / drafts, at most k + 1), per-position acceptance rates,
+whether the outputs are identical (speculative decoding must be lossless at temperature 0), and tokens/s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from eaglet.data import prompt_part, read_conversations
+from eaglet.vllm_run import run_vllm_job
+
+
+class SmokeResult(BaseModel):
+    num_speculative_tokens: int
+    mean_acceptance_length: float
+    acceptance_per_position: list[float]
+    lossless: bool
+    tokens_per_s_with_draft: float
+    tokens_per_s_without_draft: float
+    num_prompts: int
+    drafts: int
+    accepted_tokens: int
+    mismatched_prompts: int
+
+
+def load_prompts(prompts_file: str | Path, num_prompts: int | None = None) -> list[list[dict]]:
+    convs = [prompt_part(m) for m in read_conversations(prompts_file)]
+    return convs[:num_prompts] if num_prompts else convs
+
+
+def smoke_test(
+    verifier: str, draft: str, prompts: list[list[dict]], k: int = 3, max_tokens: int = 128,
+    max_model_len: int = 2048,
+) -> SmokeResult:
+    job = {"verifier": verifier, "conversations": prompts, "max_tokens": max_tokens,
+           "max_model_len": max_model_len, "temperature": 0.0}
+    base = run_vllm_job(job)
+    spec = run_vllm_job(dict(job, draft=str(draft), k=k))
+    counts = spec["spec"]
+    drafts = counts["drafts"]
+    per_pos = [a / drafts if drafts else 0.0 for a in counts["accepted_per_pos"]]
+    mismatched = sum(1 for a, b in zip(base["token_ids"], spec["token_ids"]) if a != b)
+    return SmokeResult(
+        num_speculative_tokens=k,
+        mean_acceptance_length=1.0 + counts["accepted"] / drafts if drafts else 1.0,
+        acceptance_per_position=per_pos,
+        lossless=mismatched == 0,
+        tokens_per_s_with_draft=spec["tokens_per_s"],
+        tokens_per_s_without_draft=base["tokens_per_s"],
+        num_prompts=len(prompts),
+        drafts=drafts,
+        accepted_tokens=counts["accepted"],
+        mismatched_prompts=mismatched,
+    )

@@ -1,0 +1,121 @@
+"""Train an EAGLE-3 draft with speculators: its model, its Trainer, its CLI config, in this process.
+
+We build the same `TrainConfig` the `speculators train` CLI would and call its `main`, so every training
+choice (TTT steps, loss, optimizer, checkpointing, resume) is speculators' own. On CPU, three hard-coded
+accelerator calls are patched in `cpu_patches`, and the CPU-capable kernels are selected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+import torch
+
+from eaglet.config import DraftParams, TrainingParams
+
+log = logging.getLogger("eaglet.train")
+
+
+@contextlib.contextmanager
+def cpu_patches():
+    """speculators 0.9.0 assumes an accelerator in three places; on CPU we point them at the CPU.
+
+    - speculators.train.trainer.get_local_rank() returns the int 0, which `.to()` reads as cuda:0.
+    - speculators.train.checkpointer.get_current_device() falls back to "cuda:0" when resuming.
+    - torch.accelerator.synchronize() raises when there is no accelerator (used by the step timer).
+    """
+    import speculators.train.checkpointer as ckpt
+    import speculators.train.trainer as trainer
+
+    saved = (trainer.get_local_rank, ckpt.get_current_device, torch.accelerator.synchronize)
+    trainer.get_local_rank = lambda: "cpu"
+    ckpt.get_current_device = lambda: "cpu"
+    torch.accelerator.synchronize = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        trainer.get_local_rank, ckpt.get_current_device, torch.accelerator.synchronize = saved
+
+
+def on_accelerator() -> bool:
+    return torch.accelerator.current_accelerator(check_available=True) is not None
+
+
+def speculators_argv(
+    verifier_path: str,
+    data_path: Path,
+    vocab_dir: Path,
+    save_path: Path,
+    aux_ids: list[int],
+    draft_vocab_size: int,
+    draft: DraftParams,
+    training: TrainingParams,
+    trust_remote_code: bool = False,
+) -> list[str]:
+    """The `speculators train` arguments for this run (also written to the artifact for reproduction)."""
+    flag = lambda name, on: f"--{name}" if on else f"--no-{name}"  # noqa: E731
+    argv = [
+        "--speculator-type", "eagle3",
+        "--verifier-name-or-path", verifier_path,
+        "--data-path", str(data_path),
+        "--save-path", str(save_path),
+        "--log-dir", str(save_path / "logs"),
+        "--target-layer-ids", *[str(i) for i in aux_ids],
+        "--draft-vocab-size", str(draft_vocab_size),
+        "--d2t-path", str(vocab_dir / "d2t.npy"),
+        "--t2d-path", str(vocab_dir / "t2d.npy"),
+        "--num-layers", "1",
+        "--draft-arch", "llama",
+        "--full-attention-indices", "0",
+        flag("norm-before-residual", draft.norm_before_residual),
+        flag("norm-before-fc", draft.norm_before_fc),
+        flag("norm-output", draft.norm_output),
+        "--epochs", str(training.epochs),
+        "--lr", str(training.lr),
+        "--optimizer", training.optimizer,
+        "--scheduler-type", training.scheduler,
+        "--scheduler-warmup-steps", str(training.warmup_steps),
+        "--ttt-steps", str(training.ttt_steps),
+        "--total-seq-len", str(training.total_seq_len),
+        "--train-data-ratio", "0.95",
+        "--seed", str(training.seed),
+        "--log-freq", "10",
+    ]
+    if trust_remote_code:
+        argv.append("--trust-remote-code")
+    if on_accelerator():
+        argv += ["--hidden-states-dtype", "bfloat16"]  # GPU defaults: flex attention, fused loss
+    else:
+        argv += [
+            "--draft-attn-impl", "sdpa",  # flex attention has no CPU backward
+            "--loss-implementation", "eager",  # the fused loss needs Triton
+            "--hidden-states-dtype", "float32",
+            "--num-workers", "0",
+        ]
+    return argv
+
+
+def last_checkpoint(save_path: Path) -> Path:
+    """The newest complete epoch directory speculators wrote (config + weights)."""
+    epochs = sorted(
+        (p for p in save_path.iterdir() if p.is_dir() and p.name.isdigit()
+         and (p / "config.json").is_file() and (p / "model.safetensors").is_file()),
+        key=lambda p: int(p.name),
+    )
+    if not epochs:
+        raise RuntimeError(f"speculators wrote no checkpoint under {save_path}")
+    return epochs[-1]
+
+
+def train_draft(argv: list[str]) -> None:
+    from speculators.train.cli import main
+    from speculators.train.config import TrainConfig
+
+    cfg = TrainConfig.resolve(argv)
+    if on_accelerator():
+        main(cfg)
+    else:
+        with cpu_patches():
+            main(cfg)

@@ -1,0 +1,104 @@
+"""vLLM in a child process: `python -m eaglet.vllm_worker JOB.json`.
+
+vLLM spawns workers and holds most of the machine's memory, so eaglet never imports it in the orchestrating
+process. A job is a JSON file; the result is written to job["out"] as JSON.
+
+Modes:
+  generate: answer conversations with the verifier (regeneration).
+  decode:   generate greedily on prompts, optionally with an EAGLE-3 draft, and read the spec-decode counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _engine(job: dict):
+    from vllm import LLM
+
+    kwargs = dict(
+        model=job["verifier"],
+        dtype="bfloat16",
+        max_model_len=job.get("max_model_len", 2048),
+        seed=job.get("seed", 0),
+        disable_log_stats=False,
+        enforce_eager=job.get("enforce_eager", True),
+    )
+    if job.get("draft"):
+        kwargs["speculative_config"] = {
+            "method": "eagle3",  # never let vLLM guess the method from the directory name
+            "model": job["draft"],
+            "num_speculative_tokens": job["k"],
+        }
+    if "gpu_memory_utilization" in job:
+        kwargs["gpu_memory_utilization"] = job["gpu_memory_utilization"]
+    return LLM(**kwargs)
+
+
+def _counters(llm) -> dict:
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    for m in llm.get_metrics():
+        name = m.name
+        if name == "vllm:spec_decode_num_drafts":
+            out["drafts"] = int(m.value)
+        elif name == "vllm:spec_decode_num_draft_tokens":
+            out["draft_tokens"] = int(m.value)
+        elif name == "vllm:spec_decode_num_accepted_tokens":
+            out["accepted"] = int(m.value)
+        elif name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out["per_pos"] = [int(v) for v in m.values]
+    return out
+
+
+def run(job: dict) -> dict:
+    from vllm import SamplingParams
+
+    llm = _engine(job)
+    convs = job["conversations"]
+    params = SamplingParams(
+        n=job.get("n", 1),
+        temperature=job.get("temperature", 0.0),
+        max_tokens=job["max_tokens"],
+        seed=job.get("seed", 0),
+    )
+    before = _counters(llm)
+    t0 = time.perf_counter()
+    outputs = llm.chat(convs, params, use_tqdm=job.get("progress", False))
+    seconds = time.perf_counter() - t0
+    after = _counters(llm)
+    texts = [[c.text for c in o.outputs] for o in outputs]
+    token_ids = [[list(c.token_ids) for c in o.outputs] for o in outputs]
+    n_tokens = sum(len(t) for per in token_ids for t in per)
+    result = {
+        "texts": texts,
+        "token_ids": token_ids,
+        "seconds": seconds,
+        "output_tokens": n_tokens,
+        "tokens_per_s": n_tokens / seconds if seconds else 0.0,
+    }
+    if job.get("draft"):
+        per_pos_after, per_pos_before = after["per_pos"], before["per_pos"] or [0] * len(after["per_pos"])
+        result["spec"] = {
+            "drafts": after["drafts"] - before["drafts"],
+            "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
+            "accepted": after["accepted"] - before["accepted"],
+            "accepted_per_pos": [a - b for a, b in zip(per_pos_after, per_pos_before)],
+        }
+    return result
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    result = run(job)
+    tmp = job["out"] + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, job["out"])
+
+
+if __name__ == "__main__":  # vLLM spawns worker processes: the guard is required
+    main()
