@@ -86,3 +86,63 @@ def flatten_checkpoint(src: Path, dst: Path, verifier_path: str, serving_id: str
     (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     shutil.copy(src / "config.json", dst / "config_speculators.json")
     return cfg
+
+
+EXPORT_VERSION = "flat-1"
+REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight")
+LAYER_TENSORS = (
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
+)
+
+
+def flat_draft_problems(draft: Path, verifier_path: str) -> list[str]:
+    """Shape and presence checks of a flat draft against its config and verifier (vLLM reports none of these)."""
+    cfg = json.loads((draft / "config.json").read_text())
+    vcfg = json.loads((Path(verifier_path) / "config.json").read_text())
+    vtext = vcfg.get("text_config", vcfg)
+    with safe_open(str(draft / "model.safetensors"), "pt") as f:
+        shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+    problems = []
+    prefix = "midlayer." if any(k.startswith("midlayer.") for k in shapes) else "layers.0."
+    for name in REQUIRED + tuple(prefix + t for t in LAYER_TENSORS):
+        if name not in shapes:
+            problems.append(f"missing tensor {name}")
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim", hidden // heads)
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or []
+    q = shapes.get(prefix + "self_attn.q_proj.weight")
+    if q and q[0] != heads * head_dim:
+        problems.append(f"q_proj has {q[0]} rows but num_attention_heads*head_dim = {heads * head_dim}")
+    fc = shapes.get("fc.weight")
+    target_hidden = cfg.get("target_hidden_size", hidden)
+    if fc and fc[1] != len(ids) * target_hidden:
+        problems.append(f"fc.weight takes {fc[1]} inputs but {len(ids)} aux layers x {target_hidden} are configured")
+    if cfg.get("vocab_size") != vtext.get("vocab_size"):
+        problems.append(f"vocab_size {cfg.get('vocab_size')} differs from the verifier's {vtext.get('vocab_size')}")
+    draft_vocab = cfg.get("draft_vocab_size", cfg.get("vocab_size"))
+    lm = shapes.get("lm_head.weight")
+    if lm and lm[0] != draft_vocab:
+        problems.append(f"lm_head.weight has {lm[0]} rows but draft_vocab_size is {draft_vocab}")
+    if draft_vocab < cfg.get("vocab_size", 0) and "d2t" not in shapes:
+        problems.append("d2t is missing although the draft vocabulary is smaller than the verifier's")
+    if draft_vocab >= cfg.get("vocab_size", 0) and "d2t" in shapes:
+        problems.append("d2t is present with a full vocabulary (vLLM rejects it)")
+    if len(set(ids)) != len(ids) or sorted(ids) != ids:
+        problems.append(f"aux layer ids {ids} must be unique and ascending")
+    if any(not 0 <= i < vtext.get("num_hidden_layers", 0) for i in ids):
+        problems.append(f"aux layer ids {ids} are outside the verifier's layers")
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {cfg.get('hidden_act')} is not silu (vLLM's EAGLE-3 Llama layer needs silu)")
+    if cfg.get("norm_before_fc") and "input_norm.weight" not in shapes:
+        problems.append("norm_before_fc is set but input_norm.weight is missing")
+    return problems
+
+
+def check_flat_draft(draft: Path, verifier_path: str) -> None:
+    from eaglet.errors import EagletError
+
+    problems = flat_draft_problems(draft, verifier_path)
+    if problems:
+        raise EagletError(f"draft {draft} is not loadable by vLLM: " + "; ".join(problems))

@@ -103,3 +103,9 @@ def publish_dir(src_build: Callable[[Path], None], dest: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+def published_since(path: str | Path, since: float) -> bool:
+    """Whether the artifact at `path` was built at or after `since` (i.e. by the current run)."""
+    manifest = json.loads((Path(path) / MANIFEST).read_text())
+    return manifest["created"] >= since

@@ -1,0 +1,58 @@
+"""The `train-eagle3` flow: verifier in, vLLM-loadable EAGLE-3 draft out. It only composes tasks."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+
+from eaglet.config import RunConfig
+from eaglet.data import DEFAULT_PROMPTS
+from eaglet.report import write_outputs
+from eaglet.store import published_since
+from tasks import stages
+
+DATA_STAGES = ("regenerate-responses", "extract-hidden-states")  # the stages that load verifier weights
+
+
+def _run(timings: dict, name: str, task, *args):
+    """Call a task, record its final state and wall time, and return its result."""
+    t0 = time.perf_counter()
+    state = task(*args, return_state=True)
+    result = state.result()  # raises the task's exception if it failed
+    timings[name] = {"state": state.name, "seconds": round(time.perf_counter() - t0, 2), "result": result}
+    return result
+
+
+@flow(name="train-eagle3", log_prints=True)
+def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> dict:
+    """Train an EAGLE-3 draft for a verifier and check it in vLLM."""
+    log = get_run_logger()
+    started = time.time()
+    t: dict = {}
+    data_file = params.data.path or str(DEFAULT_PROMPTS)
+
+    # Cheap checks on the data before anything loads weights (the embedded verifier's conversion does).
+    data_dir = _run(t, "prepare-data", stages.prepare_data, data_file, params)
+    verifier_path = params.verifier.path or _run(t, "convert-embedded-verifier", stages.convert_embedded_verifier)
+    verifier = _run(t, "resolve-verifier", stages.resolve_verifier, verifier_path, params.verifier.aux_layer_ids,
+                    params.verifier.trust_remote_code, params.draft.draft_vocab_size)
+
+    conversations_dir = data_dir
+    if params.data.regenerate:
+        conversations_dir = _run(t, "regenerate-responses", stages.regenerate_responses, verifier, data_dir, params)
+    states_dir = _run(t, "extract-hidden-states", stages.extract_hidden_states, verifier, conversations_dir, params)
+    vocab_dir = _run(t, "build-vocab", stages.build_vocab, verifier, states_dir, params)
+    ckpt_dir = _run(t, "train-draft", stages.train_draft, verifier, states_dir, vocab_dir, params)
+    draft_dir = _run(t, "export-draft", stages.export_draft, verifier, ckpt_dir, params)
+    smoke = None
+    if params.smoke.enabled:
+        smoke = _run(t, "smoke-test", stages.smoke_test, verifier, draft_dir, data_dir, params)
+
+    verifier_loads = sum(1 for name in DATA_STAGES if name in t and published_since(t[name]["result"], started))
+    report = write_outputs(Path(output_dir), params, verifier, t, ckpt_dir, draft_dir, states_dir, vocab_dir,
+                           verifier_loads, smoke)
+    log.info(f"draft written to {report['draft_dir']}; report at {Path(output_dir) / 'report.md'}")
+    return report
+

