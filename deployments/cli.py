@@ -21,6 +21,7 @@ def _prefect_env() -> None:
     os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(store_root() / "prefect-results"))
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "eaglet,speculators")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no network here; avoids telemetry errors
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -1,0 +1,43 @@
+"""The one parameter model: YAML, --set overrides, and validation before any work."""
+
+import pytest
+
+from eaglet.config import RunConfig, load_config
+from eaglet.errors import EagletError
+
+
+def test_defaults_and_overrides(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("training:\n  epochs: 2\ndraft:\n  draft_vocab_size: 1024\n")
+    cfg = load_config(cfg_file, ["training.lr=0.01", "verifier.aux_layer_ids=[1, 5, 9]", "data.path=/x.jsonl"])
+    assert cfg.training.epochs == 2 and cfg.training.lr == 0.01
+    assert cfg.draft.draft_vocab_size == 1024
+    assert cfg.verifier.aux_layer_ids == [1, 5, 9]
+    assert cfg.data.path == "/x.jsonl"
+    assert load_config().model_dump() == RunConfig().model_dump()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("training.epochs=0", "training.epochs"),
+    ("training.nope=1", "training.nope"),
+    ("verifier.aux_layer_ids=[2, 2, 5]", "duplicates"),
+    ("verifier.aux_layer_ids=[-1, 2, 5]", "negative"),
+    ("smoke.num_speculative_tokens=99", "smoke.num_speculative_tokens"),
+    ("epochs", "not key=value"),
+])
+def test_invalid_parameters_are_one_clear_sentence(override, message):
+    with pytest.raises(EagletError, match=message):
+        load_config(None, [override])
+
+
+def test_every_field_is_described():
+    def walk(model):
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, RunConfig.__mro__[1]) and ann is not RunConfig:
+                yield from walk(ann)
+            else:
+                yield name, field
+    for section in RunConfig.model_fields.values():
+        for name, field in walk(section.annotation):
+            assert field.description, f"{section.annotation.__name__}.{name} has no description"

@@ -1,0 +1,102 @@
+"""Data preparation: every supported row shape, loss masks on assistant tokens only, and clear errors."""
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from eaglet.data import (assistant_mask, check_has_responses, normalize_row, read_conversations,
+                         split_conversations, tokenize_conversations)
+from eaglet.errors import EagletError
+
+SHAPES = {
+    "sharegpt_from_value": {"conversations": [{"from": "human", "value": "hello there"},
+                                              {"from": "gpt", "value": "hi friend"}]},
+    "sharegpt_role_content": {"conversations": [{"role": "user", "content": "hello there"},
+                                                {"role": "assistant", "content": "hi friend"}]},
+    "openai_messages": {"messages": [{"role": "system", "content": "be brief"},
+                                     {"role": "user", "content": "hello there"},
+                                     {"role": "assistant", "content": "hi friend"}]},
+    "prompt_response": {"prompt": "hello there", "response": "hi friend"},
+}
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_verifier):
+    return AutoTokenizer.from_pretrained(tiny_verifier)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_loss_mask_covers_exactly_the_assistant_turn(tok, shape):
+    msgs = normalize_row(SHAPES[shape], 1)
+    ids, mask = assistant_mask(tok, msgs, 512)
+    masked = [t for t, m in zip(ids, mask) if m]
+    answer = tok("hi friend", add_special_tokens=False)["input_ids"]
+    # the answer, then the template's end-of-turn token: that is what the draft must learn to predict
+    assert masked[: len(answer)] == answer
+    assert tok.decode(masked[len(answer):]).strip() == "<|im_end|>"
+    assert len(ids) == len(mask) and sum(mask) == len(answer) + 1
+
+
+def test_multi_turn_masks_every_assistant_turn(tok):
+    msgs = normalize_row({"messages": [
+        {"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
+        {"role": "user", "content": "three"}, {"role": "assistant", "content": "four five"}]}, 1)
+    ids, mask = assistant_mask(tok, msgs, 512)
+    assert tok.decode([t for t, m in zip(ids, mask) if m]).split() == ["two", "<|im_end|>", "four", "five", "<|im_end|>"]
+
+
+def test_prompt_only_row_has_no_loss_and_truncation(tok):
+    samples, freq = tokenize_conversations(tok, [normalize_row(SHAPES["prompt_response"], 1)], max_seq_len=9)
+    assert samples[0]["seq_len"] == 9 and len(samples[0]["loss_mask"]) == 9
+    assert sum(freq.values()) == sum(samples[0]["loss_mask"])
+    with pytest.raises(EagletError, match="max_seq_len"):
+        tokenize_conversations(tok, [normalize_row(SHAPES["prompt_response"], 1)], max_seq_len=4)
+
+
+def write(tmp_path, rows):
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return p
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([], "is empty"),
+    (['{"prompt": "x"'], "not valid JSON"),
+    ([{"text": "hello"}], "unknown row shape"),
+    ([{"messages": [{"role": "wizard", "content": "x"}]}], "unknown role"),
+    ([{"messages": [{"role": "assistant", "content": "x"}]}], "no user turn"),
+])
+def test_bad_rows_are_named(tmp_path, rows, message):
+    with pytest.raises(EagletError, match=message):
+        read_conversations(write(tmp_path, rows))
+
+
+def test_missing_dataset(tmp_path):
+    with pytest.raises(EagletError, match="does not exist"):
+        read_conversations(tmp_path / "nope.jsonl")
+
+
+def test_rows_without_assistant_turn_need_regeneration(tmp_path):
+    rows = read_conversations(write(tmp_path, [{"prompt": "a"}, {"prompt": "b", "response": "c"}]))
+    with pytest.raises(EagletError, match="1 training rows have no assistant turn"):
+        check_has_responses(rows)
+
+
+def test_split_is_deterministic_and_disjoint(tmp_path):
+    rows = [[{"role": "user", "content": str(i)}] for i in range(50)]
+    train, held = split_conversations(rows, 10, seed=3)
+    assert (train, held) == split_conversations(rows, 10, seed=3)
+    assert len(held) == 10 and len(train) == 40
+    assert not {r[0]["content"] for r in train} & {r[0]["content"] for r in held}
+    with pytest.raises(EagletError, match="num_eval"):
+        split_conversations(rows, 50, seed=0)
+
+
+def test_default_prompts_file_is_large_and_varied():
+    from eaglet.data import DEFAULT_PROMPTS
+
+    rows = [json.loads(line) for line in DEFAULT_PROMPTS.read_text().splitlines()]
+    assert len(rows) >= 300
+    assert {r["category"] for r in rows} == {"chat", "explanation", "code", "math", "writing"}
+    assert len({r["prompt"] for r in rows}) == len(rows)

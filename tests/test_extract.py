@@ -1,0 +1,51 @@
+"""The layer convention: what extraction writes is what vLLM's EAGLE-3 runner feeds the draft."""
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from eaglet.data import write_conversations
+from eaglet.extract import extract_batch, extract_hidden_states
+
+
+def test_last_state_normed_and_projected_reproduces_logits(tiny_verifier):
+    model = AutoModelForCausalLM.from_pretrained(tiny_verifier, dtype=torch.float32).eval()
+    ids = [[2, 10, 20, 30, 40, 3], [2, 11, 12]]
+    states = extract_batch(model, ids, aux_ids=[2, 4, 5], pad_id=1)
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids[0]]), output_hidden_states=True)
+    s = states[0]
+    assert s.shape == (6, 4, 128)
+    # aux id k is HF hidden_states[k] (0 = embeddings), in ascending order
+    for j, k in enumerate([2, 4, 5]):
+        torch.testing.assert_close(s[:, j], ref.hidden_states[k][0], rtol=1e-4, atol=1e-4)
+    # the last slot is pre-norm: the verifier's final norm and lm_head turn it into the verifier's logits
+    logits = model.lm_head(model.model.norm(s[:, -1]))
+    torch.testing.assert_close(logits, ref.logits[0], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(s[:, -1], ref.hidden_states[-1][0])  # HF's last entry is post-norm
+    # padding does not leak into the shorter sequence
+    with torch.no_grad():
+        short = model(input_ids=torch.tensor([ids[1]]), output_hidden_states=True)
+    torch.testing.assert_close(states[1][:, 0], short.hidden_states[2][0], rtol=1e-4, atol=1e-4)
+
+
+def test_extraction_writes_speculators_format(tiny_verifier, tmp_path):
+    convs = tmp_path / "c.jsonl"
+    write_conversations(convs, [[{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}],
+                                [{"role": "user", "content": "why is the sky blue?"},
+                                 {"role": "assistant", "content": "light"}]])
+    out = tmp_path / "hs"
+    out.mkdir()
+    stats = extract_hidden_states(str(tiny_verifier), convs, out, [2, 4, 5], 64, batch_size=2)
+    assert stats["samples"] == 2 and stats["bytes_per_token"] == 4 * 128 * 2
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(out))
+    assert set(ds.column_names) >= {"input_ids", "loss_mask", "seq_len"}
+    for i in range(2):
+        f = load_file(str(out / "hidden_states" / f"hs_{i}.safetensors"))
+        assert f["hidden_states"].dtype == torch.bfloat16
+        assert f["hidden_states"].shape == (ds[i]["seq_len"], 4, 128)
+        assert torch.equal(f["token_ids"], ds[i]["input_ids"])
+    freq = torch.load(out / "token_freq.pt", weights_only=True)
+    assert sum(freq.values()) == sum(int(ds[i]["loss_mask"].sum()) for i in range(2))
