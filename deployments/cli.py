@@ -24,12 +24,31 @@ def _prefect_env() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no network here; avoids telemetry errors
 
 
+class _QuietUserErrors(logging.Filter):
+    """Prefect logs a failed task's traceback; for a user error the one-line message is the whole story."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from eaglet.errors import EagletError
+
+        if record.exc_info and isinstance(record.exc_info[1], EagletError):
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def _quiet_user_errors() -> None:
+    for name in ("prefect.task_runs", "prefect.flow_runs", "prefect.task_engine", "prefect.flow_engine"):
+        logging.getLogger(name).addFilter(_QuietUserErrors())
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from eaglet.config import load_config
 
     params = load_config(args.config, args.set)  # invalid parameters fail here, before Prefect starts
     _prefect_env()
     from flows.train_eagle3 import train_eagle3
+
+    _quiet_user_errors()
 
     report = train_eagle3(params=params, output_dir=str(Path(args.output_dir).resolve()))
     smoke = report.get("smoke") or {}

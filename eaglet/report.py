@@ -57,20 +57,22 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: dict, ckpt_dir: str, draft_dir: str,
-                  states_dir: str, vocab_dir: str, verifier_loads: int, smoke: dict | None) -> dict:
+def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: dict, artifacts: dict[str, str],
+                  verifier_loads: int, smoke: dict | None) -> dict:
+    """artifacts: store paths by stage (data, responses, hidden_states, vocab, checkpoint, draft)."""
     out = out.resolve()
-    draft = publish_dir(_copy_artifact(Path(draft_dir)), out / "draft")
-    spec = publish_dir(_copy_artifact(Path(ckpt_dir)), out / "draft-speculators")
+    draft = publish_dir(_copy_artifact(Path(artifacts["draft"])), out / "draft")
+    spec = publish_dir(_copy_artifact(Path(artifacts["checkpoint"])), out / "draft-speculators")
     report = {
         "verifier": verifier.model_dump(),
         "draft_dir": str(draft),
         "speculators_dir": str(spec),
-        "artifacts": {"hidden_states": states_dir, "vocab": vocab_dir, "checkpoint": ckpt_dir, "draft": draft_dir},
+        "artifacts": artifacts,
         "verifier_loads": verifier_loads,
         "tasks": {name: {"state": t["state"], "seconds": t["seconds"]} for name, t in tasks.items()},
-        "extraction": _stats(states_dir),
-        "vocab": _stats(vocab_dir),
+        "regeneration": _stats(artifacts["responses"]) if "responses" in artifacts else None,
+        "extraction": _stats(artifacts["hidden_states"]),
+        "vocab": _stats(artifacts["vocab"]),
         "params": params.model_dump(),
         "smoke": smoke,
     }

