@@ -72,6 +72,9 @@ class TrainingParams(_Section):
     ttt_steps: int = Field(3, ge=1, le=8, description="Test-time-training steps (positions trained).")
     total_seq_len: int = Field(2048, ge=64, description="Tokens packed per training batch.")
     seed: int = Field(0, description="Training seed.")
+    cpu_dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16", description="Autocast dtype when training on CPU (GPUs always use bfloat16)."
+    )
 
 
 class ExportParams(_Section):
