@@ -69,7 +69,7 @@ def cmd_smoke(args: argparse.Namespace) -> int:
             (Path(args.draft) / "config.json").read_text()):
         check_flat_draft(Path(args.draft), args.verifier)
     result = smoke_test(args.verifier, args.draft, load_prompts(args.prompts, args.num_prompts), k=args.k,
-                        max_tokens=args.max_tokens)
+                        max_tokens=args.max_tokens, dtype=args.dtype)
     text = result.model_dump_json(indent=2)
     if args.json:
         Path(args.json).write_text(text + "\n")
@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument("--k", type=int, default=3, help="speculative tokens per step")
     smoke.add_argument("--max-tokens", type=int, default=128)
     smoke.add_argument("--num-prompts", type=int, default=None)
+    smoke.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                       help="vLLM compute dtype (float32: bit-comparable greedy outputs)")
     smoke.add_argument("--json", help="also write the result here")
     smoke.set_defaults(fn=cmd_smoke)
     return p

@@ -86,6 +86,9 @@ class SmokeParams(_Section):
     num_speculative_tokens: int = Field(3, ge=1, le=16, description="Draft tokens per step (k).")
     max_tokens: int = Field(128, ge=1, le=8192, description="Tokens generated per held-out prompt.")
     num_prompts: int = Field(40, ge=1, le=10000, description="Held-out prompts used.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="vLLM compute dtype. float32 keeps greedy outputs bit-comparable (lossless check)."
+    )
 
 
 class RunConfig(_Section):

@@ -21,7 +21,7 @@ def _engine(job: dict):
 
     kwargs = dict(
         model=job["verifier"],
-        dtype="bfloat16",
+        dtype=job.get("dtype", "bfloat16"),
         max_model_len=job.get("max_model_len", 2048),
         seed=job.get("seed", 0),
         disable_log_stats=False,

@@ -232,7 +232,7 @@ def smoke_test(verifier: VerifierInfo, draft_dir: str, data_dir: str, cfg: RunCo
     s = cfg.smoke
     prompts = load_prompts(Path(data_dir) / "eval.jsonl", s.num_prompts)
     result = smoke(verifier.path, draft_dir, prompts, k=s.num_speculative_tokens, max_tokens=s.max_tokens,
-                   max_model_len=cfg.data.max_seq_len + s.max_tokens)
+                   max_model_len=cfg.data.max_seq_len + s.max_tokens, dtype=s.dtype)
     get_run_logger().info(
         f"mean acceptance length {result.mean_acceptance_length:.3f} at k={s.num_speculative_tokens}, "
         f"lossless={result.lossless}"
