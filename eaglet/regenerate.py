@@ -17,6 +17,7 @@ def regenerate_responses(
     temperature: float = 0.0,
     responses_per_prompt: int = 1,
     seed: int = 0,
+    progress=None,
 ) -> dict:
     rows = read_conversations(conversations_file)
     prompts = [prompt_part(msgs) for msgs in rows]
@@ -28,7 +29,8 @@ def regenerate_responses(
         "temperature": temperature,
         "n": responses_per_prompt,
         "seed": seed,
-    })
+        "chunk": 64,
+    }, progress=progress)
     out_rows = []
     for prompt, texts in zip(prompts, result["texts"]):
         for text in texts:

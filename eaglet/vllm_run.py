@@ -29,7 +29,10 @@ def vllm_env() -> dict[str, str]:
     return env
 
 
-def run_vllm_job(job: dict, timeout: float | None = None) -> dict:
+def run_vllm_job(job: dict, timeout: float | None = None, progress=None) -> dict:
+    """progress: called with each progress line of the child (e.g. a Prefect logger's info)."""
+    from eaglet.vllm_worker import PROGRESS
+
     with tempfile.TemporaryDirectory(prefix="eaglet-vllm-") as tmp:
         job = dict(job, out=str(Path(tmp) / "result.json"))
         job_file = Path(tmp) / "job.json"
@@ -43,7 +46,10 @@ def run_vllm_job(job: dict, timeout: float | None = None) -> dict:
         for line in proc.stdout:
             line = line.rstrip()
             tail.append(line)
-            log.debug(line)
+            if line.startswith(PROGRESS):
+                (progress or log.info)(line[len(PROGRESS):].strip())
+            else:
+                log.debug(line)
         rc = proc.wait(timeout=timeout)
         out = Path(job["out"])
         if rc != 0 or not out.is_file():

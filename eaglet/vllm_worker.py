@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+PROGRESS = "eaglet-progress:"
+
 
 def _engine(job: dict):
     from vllm import LLM
@@ -66,7 +68,14 @@ def run(job: dict) -> dict:
     )
     before = _counters(llm)
     t0 = time.perf_counter()
-    outputs = llm.chat(convs, params, use_tqdm=job.get("progress", False))
+    # Chunks large enough to keep vLLM's batch full, small enough to report progress on long runs.
+    chunk = max(1, job.get("chunk") or len(convs))
+    outputs = []
+    for start in range(0, len(convs), chunk):
+        outputs += llm.chat(convs[start : start + chunk], params, use_tqdm=False)
+        done = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        print(f"{PROGRESS} {len(outputs)}/{len(convs)} conversations, {done} tokens, "
+              f"{done / (time.perf_counter() - t0):.0f} tokens/s", flush=True)
     seconds = time.perf_counter() - t0
     after = _counters(llm)
     texts = [[c.text for c in o.outputs] for o in outputs]

@@ -120,7 +120,7 @@ def regenerate_responses(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) 
     def build(tmp: Path) -> None:
         stats = regen(verifier.path, Path(data_dir) / "train.jsonl", tmp / "train.jsonl", d.max_new_tokens,
                       max_model_len=d.max_seq_len + d.max_new_tokens, temperature=d.temperature,
-                      responses_per_prompt=d.responses_per_prompt, seed=d.seed)
+                      responses_per_prompt=d.responses_per_prompt, seed=d.seed, progress=get_run_logger().info)
         (tmp / "stats.json").write_text(json.dumps(dict(stats, verifier_loads=1)))
         get_run_logger().info(f"regenerated {stats['output_tokens']} tokens at {stats['tokens_per_s']:.0f} tokens/s")
 
@@ -145,7 +145,8 @@ def extract_hidden_states(verifier: VerifierInfo, conversations_dir: str, cfg: R
     e = cfg.extraction
 
     def progress(done: int, total: int, tps: float) -> None:
-        if done == total or done % max(1, (total // 10) // e.batch_size * e.batch_size or e.batch_size) == 0:
+        step = max(e.batch_size, total // 10)
+        if done == total or done % step < e.batch_size:  # about every 10%
             log.info(f"extracted {done}/{total} samples, {tps:.0f} tokens/s")
 
     def build(tmp: Path) -> None:
