@@ -44,7 +44,9 @@ class DataParams(_Section):
     regenerate: bool = Field(
         True, description="Answer every prompt with the verifier (vLLM) so the draft learns its own outputs."
     )
-    max_new_tokens: int = Field(256, ge=1, le=32768, description="Longest regenerated response.")
+    max_new_tokens: int = Field(
+        128, ge=1, le=32768, description="Longest regenerated response (default: the smoke horizon, smoke.max_tokens)."
+    )
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="Regeneration temperature (0 = greedy).")
     responses_per_prompt: int = Field(1, ge=1, le=16, description="Responses sampled per prompt.")
     seed: int = Field(0, description="Seed for the split and sampling.")
@@ -57,20 +59,22 @@ class ExtractionParams(_Section):
 
 
 class DraftParams(_Section):
-    draft_vocab_size: int = Field(8192, ge=16, description="Tokens the draft can propose (top by frequency).")
+    draft_vocab_size: int = Field(4096, ge=16, description="Tokens the draft can propose (top by frequency).")
     norm_before_residual: bool = Field(True, description="speculators' eagle3 norm_before_residual flag.")
     norm_before_fc: bool = Field(True, description="Normalise the aux hidden states before fc.")
     norm_output: bool = Field(True, description="Apply the final norm to the draft's output states.")
 
 
 class TrainingParams(_Section):
-    epochs: int = Field(6, ge=1, le=1000, description="Passes over the training data.")
+    epochs: int = Field(3, ge=1, le=1000, description="Passes over the training data.")
     lr: float = Field(2e-3, gt=0, le=1.0, description="Peak learning rate.")
-    optimizer: Literal["adamw", "muon"] = Field("adamw", description="speculators optimizer.")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "muon", description="speculators optimizer: Muon on 2D weights + AdamW on the rest, or AdamW."
+    )
     scheduler: Literal["linear", "cosine", "none"] = Field("cosine", description="LR schedule after warm-up.")
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
     ttt_steps: int = Field(3, ge=1, le=8, description="Test-time-training steps (positions trained).")
-    total_seq_len: int = Field(2048, ge=64, description="Tokens packed per training batch.")
+    total_seq_len: int = Field(1024, ge=64, description="Tokens packed per training batch.")
     seed: int = Field(0, description="Training seed.")
     cpu_dtype: Literal["bfloat16", "float32"] = Field(
         "bfloat16", description="Autocast dtype when training on CPU (GPUs always use bfloat16)."
