@@ -6,6 +6,7 @@ Every test gets its own artifact store and Prefect home, so nothing from a devel
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -14,6 +15,9 @@ from pathlib import Path
 import pytest
 
 from tests.tiny_verifier import make_tiny_verifier
+
+# Prefect's temporary API server logs "Stopping ..." at interpreter exit, after pytest closed its streams.
+logging.raiseExceptions = False
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "data" / "prompts.jsonl"
