@@ -12,7 +12,6 @@ HF's last entry is post-final-norm, vLLM's is not, so the last layer is captured
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
 from pathlib import Path
@@ -22,7 +21,6 @@ from safetensors.torch import save_file
 
 from eaglet.data import read_conversations, tokenize_conversations
 
-log = logging.getLogger("eaglet.extract")
 EXTRACTOR_VERSION = "hf-1"
 
 # How many times this process loaded verifier weights (reported as verifier_loads).

@@ -8,14 +8,12 @@ accelerator calls are patched in `cpu_patches`, and the CPU-capable kernels are 
 from __future__ import annotations
 
 import contextlib
-import logging
 from pathlib import Path
 
 import torch
 
 from eaglet.config import DraftParams, TrainingParams
 
-log = logging.getLogger("eaglet.train")
 
 
 @contextlib.contextmanager
