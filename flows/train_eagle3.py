@@ -35,7 +35,8 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
 
     # Cheap checks on the data before anything loads weights (the embedded verifier's conversion does).
     data_dir = _run(t, "prepare-data", stages.prepare_data, data_file, params)
-    verifier_path = params.verifier.path or _run(t, "convert-embedded-verifier", stages.convert_embedded_verifier)
+    verifier_path = params.verifier.path or _run(t, "convert-embedded-verifier", stages.convert_embedded_verifier,
+                                                 params.verifier.aux_layer_ids, params.draft.draft_vocab_size)
     verifier = _run(t, "resolve-verifier", stages.resolve_verifier, verifier_path, params.verifier.aux_layer_ids,
                     params.verifier.trust_remote_code, params.draft.draft_vocab_size)
 

