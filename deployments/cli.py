@@ -65,9 +65,9 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     from eaglet.smoke import load_prompts, smoke_test
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if (Path(args.draft) / "config.json").is_file() and "speculators_config" not in json.loads(
-            (Path(args.draft) / "config.json").read_text()):
-        check_flat_draft(Path(args.draft), args.verifier)
+    config_file = Path(args.draft) / "config.json"
+    if config_file.is_file() and "speculators_config" not in json.loads(config_file.read_text()):
+        check_flat_draft(Path(args.draft), args.verifier)  # flat drafts only: vLLM reports none of these problems
     result = smoke_test(args.verifier, args.draft, load_prompts(args.prompts, args.num_prompts), k=args.k,
                         max_tokens=args.max_tokens, dtype=args.dtype)
     text = result.model_dump_json(indent=2)

@@ -16,6 +16,8 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eaglet.verifier import read_config_dict, text_config_of
+
 FLAT_ARCH = "LlamaForCausalLMEagle3"
 LAYER_FIELDS = (
     "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
@@ -35,7 +37,7 @@ def load_state(path: Path) -> dict:
 
 def flat_config(nested: dict, verifier_config: dict, head_dim: int, serving_id: str | None = None) -> dict:
     layer = nested["transformer_layer_config"]
-    text = verifier_config.get("text_config", verifier_config)
+    text = text_config_of(verifier_config)
     ids = list(nested["eagle_aux_hidden_state_layer_ids"])
     cfg = {"architectures": [FLAT_ARCH], "model_type": "llama"}
     cfg.update({k: layer[k] for k in LAYER_FIELDS if k in layer and layer[k] is not None})
@@ -67,7 +69,7 @@ def flatten_checkpoint(src: Path, dst: Path, verifier_path: str, serving_id: str
                        layer_prefix: str = "layers.0") -> dict:
     """Write the flat vLLM draft for the speculators checkpoint `src` into the (empty) directory `dst`."""
     nested = json.loads((src / "config.json").read_text())
-    verifier_config = json.loads((Path(verifier_path) / "config.json").read_text())
+    verifier_config = read_config_dict(Path(verifier_path))
     state = load_state(src)
     q = state["layers.0.self_attn.q_proj.weight"]
     heads = nested["transformer_layer_config"]["num_attention_heads"]
@@ -100,8 +102,7 @@ LAYER_TENSORS = (
 def flat_draft_problems(draft: Path, verifier_path: str) -> list[str]:
     """Shape and presence checks of a flat draft against its config and verifier (vLLM reports none of these)."""
     cfg = json.loads((draft / "config.json").read_text())
-    vcfg = json.loads((Path(verifier_path) / "config.json").read_text())
-    vtext = vcfg.get("text_config", vcfg)
+    vtext = text_config_of(read_config_dict(Path(verifier_path)))
     with safe_open(str(draft / "model.safetensors"), "pt") as f:
         shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
     problems = []

@@ -23,7 +23,8 @@ from eaglet.data import read_conversations, tokenize_conversations
 
 EXTRACTOR_VERSION = "hf-1"
 
-# How many times this process loaded verifier weights (reported as verifier_loads).
+# How many times this process loaded verifier weights. An in-process count for tests; the run report derives
+# verifier_loads from which artifacts the run built (store.published_since).
 VERIFIER_LOADS = 0
 
 

@@ -15,7 +15,6 @@ import torch
 from eaglet.config import DraftParams, TrainingParams
 
 
-
 @contextlib.contextmanager
 def cpu_patches():
     """speculators 0.9.0 assumes an accelerator in four places; on CPU we point them at the CPU.

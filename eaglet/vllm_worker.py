@@ -70,10 +70,11 @@ def run(job: dict) -> dict:
     t0 = time.perf_counter()
     # Chunks large enough to keep vLLM's batch full, small enough to report progress on long runs.
     chunk = max(1, job.get("chunk") or len(convs))
-    outputs = []
+    outputs, done = [], 0
     for start in range(0, len(convs), chunk):
-        outputs += llm.chat(convs[start : start + chunk], params, use_tqdm=False)
-        done = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        new = llm.chat(convs[start : start + chunk], params, use_tqdm=False)
+        outputs += new
+        done += sum(len(c.token_ids) for o in new for c in o.outputs)
         print(f"{PROGRESS} {len(outputs)}/{len(convs)} conversations, {done} tokens, "
               f"{done / (time.perf_counter() - t0):.0f} tokens/s", flush=True)
     seconds = time.perf_counter() - t0

@@ -122,7 +122,7 @@ def regenerate_responses(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) 
         stats = regen(verifier.path, Path(data_dir) / "train.jsonl", tmp / "train.jsonl", d.max_new_tokens,
                       max_model_len=d.max_seq_len + d.max_new_tokens, temperature=d.temperature,
                       responses_per_prompt=d.responses_per_prompt, seed=d.seed, progress=get_run_logger().info)
-        (tmp / "stats.json").write_text(json.dumps(dict(stats, verifier_loads=1)))
+        (tmp / "stats.json").write_text(json.dumps(stats))
         get_run_logger().info(f"regenerated {stats['output_tokens']} tokens at {stats['tokens_per_s']:.0f} tokens/s")
 
     return str(store.publish("responses", regen_key(verifier, data_dir, cfg), build))
@@ -153,7 +153,7 @@ def extract_hidden_states(verifier: VerifierInfo, conversations_dir: str, cfg: R
     def build(tmp: Path) -> None:
         stats = extract(verifier.path, Path(conversations_dir) / "train.jsonl", tmp, verifier.aux_layer_ids,
                         cfg.data.max_seq_len, e.batch_size, e.dtype, e.device, verifier.trust_remote_code, progress)
-        (tmp / "stats.json").write_text(json.dumps(dict(stats, verifier_loads=1)))
+        (tmp / "stats.json").write_text(json.dumps(stats))
         log.info(f"extracted {stats['tokens']} tokens at {stats['tokens_per_s']:.0f} tokens/s")
 
     return str(store.publish("hidden_states", extraction_key(verifier, conversations_dir, cfg), build))
