@@ -1,4 +1,5 @@
-"""`eaglet` command line: `eaglet run` (the flow, locally) and `eaglet smoke` (the vLLM check alone).
+"""`eaglet` command line: `run` (the flow, locally), `smoke` (the vLLM check alone), and the converter:
+`flatten` (speculators -> vLLM flat), `unflatten` (flat -> speculators) and `validate` (a flat draft, no vLLM).
 
 It sits with the deployments at the top of the chain: it may import flows, nothing imports it.
 """
@@ -61,7 +62,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:
-    from eaglet.export import check_flat_draft
+    from eaglet.convert import check_flat_draft
     from eaglet.smoke import load_prompts, smoke_test
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -75,6 +76,41 @@ def cmd_smoke(args: argparse.Namespace) -> int:
         Path(args.json).write_text(text + "\n")
     print(text)
     return 0
+
+
+def cmd_flatten(args: argparse.Namespace) -> int:
+    from eaglet.convert import flatten
+
+    src = Path(args.src)
+    out = Path(args.out) if args.out else src.with_name(src.name + "-flat")
+    cfg = flatten(src, out, verifier=args.verifier, serving_id=args.verifier_id, layer_prefix=args.layer_prefix,
+                  keep_embeddings=args.keep_embeddings)
+    backup = " (original kept as " + src.name + ".bak)" if out.resolve() == src.resolve() else ""
+    print(f"flat draft: {out}{backup}: hidden {cfg['hidden_size']}, head_dim {cfg['head_dim']}, "
+          f"aux ids {cfg['eagle_aux_hidden_state_layer_ids']}, draft vocab {cfg['draft_vocab_size']}")
+    return 0
+
+
+def cmd_unflatten(args: argparse.Namespace) -> int:
+    from eaglet.convert import unflatten
+
+    src = Path(args.src)
+    out = Path(args.out) if args.out else src.with_name(src.name + "-speculators")
+    unflatten(src, out, verifier=args.verifier)
+    print(f"speculators checkpoint: {out}")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from eaglet.convert import validate
+
+    report = validate(Path(args.draft), args.verifier)
+    for w in report.warnings:
+        print(f"warning: {w}")
+    for p in report.problems:
+        print(f"problem: {p}")
+    print(f"{args.draft}: " + ("ok" if report.ok else f"{len(report.problems)} problem(s)"))
+    return 0 if report.ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +135,29 @@ def build_parser() -> argparse.ArgumentParser:
                        help="vLLM compute dtype (float32: bit-comparable greedy outputs)")
     smoke.add_argument("--json", help="also write the result here")
     smoke.set_defaults(fn=cmd_smoke)
+
+    flat = sub.add_parser("flatten", help="speculators checkpoint -> vLLM's flat LlamaForCausalLMEagle3 draft")
+    flat.add_argument("src", help="speculators checkpoint directory (config.json with speculators_config)")
+    flat.add_argument("--out", help="output directory (default SRC-flat; SRC itself converts in place, "
+                                    "keeping the original as SRC.bak)")
+    flat.add_argument("--verifier", help="verifier checkpoint (default: the path recorded in SRC)")
+    flat.add_argument("--verifier-id", help="serving id written into config_speculators.json, e.g. "
+                                            "moonshotai/Kimi-K2.5 (default: keep the training path)")
+    flat.add_argument("--layer-prefix", default="layers.0", choices=["layers.0", "midlayer"])
+    flat.add_argument("--keep-embeddings", action="store_true",
+                      help="keep embed_tokens even when identical to the verifier's")
+    flat.set_defaults(fn=cmd_flatten)
+
+    unflat = sub.add_parser("unflatten", help="vLLM flat draft -> speculators checkpoint (to fine-tune it)")
+    unflat.add_argument("src", help="flat draft directory")
+    unflat.add_argument("--out", help="output directory (default SRC-speculators)")
+    unflat.add_argument("--verifier", required=True, help="verifier checkpoint the draft belongs to")
+    unflat.set_defaults(fn=cmd_unflatten)
+
+    val = sub.add_parser("validate", help="check a flat draft for everything vLLM would fail on or silently drop")
+    val.add_argument("draft", help="flat draft directory")
+    val.add_argument("--verifier", required=True, help="verifier checkpoint the draft belongs to")
+    val.set_defaults(fn=cmd_validate)
     return p
 
 

@@ -83,6 +83,12 @@ class TrainingParams(_Section):
 
 class ExportParams(_Section):
     layer_prefix: Literal["layers.0", "midlayer"] = Field("layers.0", description="Weight naming in the flat draft.")
+    serving_id: str | None = Field(
+        None, description="Verifier id written into config_speculators.json in place of the training path, "
+        "e.g. moonshotai/Kimi-K2.5. Empty: keep the path.")
+    keep_embeddings: bool = Field(
+        False, description="Keep embed_tokens in the flat draft even when identical to the verifier's "
+        "(vLLM shares the verifier's; 2.35 GB for Kimi-K2.5).")
 
 
 class SmokeParams(_Section):

@@ -47,6 +47,7 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
     vocab_dir = _run(t, "build-vocab", stages.build_vocab, verifier, states_dir, params)
     ckpt_dir = _run(t, "train-draft", stages.train_draft, verifier, states_dir, vocab_dir, params)
     draft_dir = _run(t, "export-draft", stages.export_draft, verifier, ckpt_dir, params)
+    _run(t, "validate-draft", stages.validate_draft, verifier, draft_dir)
     smoke = None
     if params.smoke.enabled:
         smoke = _run(t, "smoke-test", stages.smoke_test, verifier, draft_dir, data_dir, params)

@@ -205,20 +205,34 @@ def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, cfg: Ru
 # --- export and smoke -----------------------------------------------------------------------------------------
 
 def export_key(verifier: VerifierInfo, ckpt_dir: str, cfg: RunConfig) -> str:
-    from eaglet.export import EXPORT_VERSION
+    from eaglet.convert import CONVERT_VERSION
 
-    return _key("draft_flat", ckpt=Path(ckpt_dir).name, prefix=cfg.export.layer_prefix, export=EXPORT_VERSION)
+    return _key("draft_flat", ckpt=Path(ckpt_dir).name, export=cfg.export.model_dump(), convert=CONVERT_VERSION)
 
 
 @task(name="export-draft", cache_key_fn=_cache_key("draft_flat", export_key), persist_result=True)
 def export_draft(verifier: VerifierInfo, ckpt_dir: str, cfg: RunConfig) -> str:
-    from eaglet.export import check_flat_draft, flatten_checkpoint
+    """Flatten speculators' checkpoint into the draft vLLM loads; an invalid draft is never published."""
+    from eaglet.convert import check_flat_draft, write_flat
 
     def build(tmp: Path) -> None:
-        flatten_checkpoint(Path(ckpt_dir), tmp, verifier.path, layer_prefix=cfg.export.layer_prefix)
+        e = cfg.export
+        write_flat(Path(ckpt_dir), tmp, verifier.path, serving_id=e.serving_id, layer_prefix=e.layer_prefix,
+                   keep_embeddings=e.keep_embeddings)
         check_flat_draft(tmp, verifier.path)
 
     return str(store.publish("draft_flat", export_key(verifier, ckpt_dir, cfg), build))
+
+
+@task(name="validate-draft")
+def validate_draft(verifier: VerifierInfo, draft_dir: str) -> list[str]:
+    """`eaglet validate` before vLLM is started: every problem at once, as one user error."""
+    from eaglet.convert import check_flat_draft
+
+    report = check_flat_draft(Path(draft_dir), verifier.path)
+    for w in report.warnings:
+        get_run_logger().warning(w)
+    return report.warnings
 
 
 def smoke_key(verifier: VerifierInfo, draft_dir: str, data_dir: str, cfg: RunConfig) -> str:
