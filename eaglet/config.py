@@ -63,6 +63,10 @@ class DraftParams(_Section):
     norm_before_residual: bool = Field(True, description="speculators' eagle3 norm_before_residual flag.")
     norm_before_fc: bool = Field(True, description="Normalise the aux hidden states before fc.")
     norm_output: bool = Field(True, description="Apply the final norm to the draft's output states.")
+    like: str | None = Field(
+        None, description="Flat config of a reference draft (file or directory), e.g. a published Kimi-K2.5 "
+        "draft: every weight shape (head_dim, intermediate size, draft vocab, aux layer count) is taken from it, "
+        "so its weights can be compared, swapped or warm-started.")
 
 
 class TrainingParams(_Section):

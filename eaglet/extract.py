@@ -36,9 +36,15 @@ def resolve_device(device: str) -> str:
 
 def load_verifier(path: str, device: str, trust_remote_code: bool = False):
     global VERIFIER_LOADS
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    # Kimi-K2.5 and VL verifiers are image-text-to-text models around the language model we read.
+    auto = AutoModelForCausalLM
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and hasattr(config, "text_config"):
+        auto = AutoModelForImageTextToText
+    model = auto.from_pretrained(path, dtype=torch.bfloat16, trust_remote_code=trust_remote_code)
     VERIFIER_LOADS += 1
     return model.to(device).eval()
 

@@ -59,6 +59,8 @@ def speculators_argv(
     draft: DraftParams,
     training: TrainingParams,
     trust_remote_code: bool = False,
+    draft_config: Path | None = None,
+    multimodal: bool = False,
 ) -> list[str]:
     """The `speculators train` arguments for this run (also written to the artifact for reproduction)."""
     flag = lambda name, on: f"--{name}" if on else f"--no-{name}"  # noqa: E731
@@ -72,9 +74,6 @@ def speculators_argv(
         "--draft-vocab-size", str(draft_vocab_size),
         "--d2t-path", str(vocab_dir / "d2t.npy"),
         "--t2d-path", str(vocab_dir / "t2d.npy"),
-        "--num-layers", "1",
-        "--draft-arch", "llama",
-        "--full-attention-indices", "0",
         flag("norm-before-residual", draft.norm_before_residual),
         flag("norm-before-fc", draft.norm_before_fc),
         flag("norm-output", draft.norm_output),
@@ -91,6 +90,14 @@ def speculators_argv(
     ]
     if trust_remote_code:
         argv.append("--trust-remote-code")
+    if multimodal:
+        # speculators resolves a mask token (used by DFlash/P-EAGLE, never by EAGLE-3) through AutoProcessor,
+        # which for Kimi-K2.5 / VL verifiers loads the image processor (torchvision); an explicit id skips it.
+        argv += ["--mask-token-id", str(_any_special_token_id(verifier_path))]
+    if draft_config is not None:  # shapes from a reference draft (draft.like) instead of the verifier
+        argv += ["--draft-config", str(draft_config)]  # speculators refuses the shaping flags beside it
+    else:
+        argv += ["--num-layers", "1", "--draft-arch", "llama", "--full-attention-indices", "0"]
     if on_accelerator():
         argv += ["--hidden-states-dtype", "bfloat16"]  # GPU defaults: flex attention, fused loss
     else:
@@ -101,6 +108,20 @@ def speculators_argv(
             "--num-workers", "0",
         ]
     return argv
+
+
+def _any_special_token_id(verifier_path: str) -> int:
+    from eaglet.verifier import read_config_dict, text_config_of
+
+    cfg = read_config_dict(Path(verifier_path))
+    text = text_config_of(cfg)
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        value = text.get(name, cfg.get(name))
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
 
 
 def last_checkpoint(save_path: Path) -> Path:

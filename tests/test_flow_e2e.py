@@ -92,3 +92,16 @@ def test_smoke_command_alone(e2e_run, tiny_verifier, tmp_path):
     s = json.loads(out.read_text())
     assert s["num_speculative_tokens"] == 2 and s["num_prompts"] == 2 and s["lossless"] is True
     assert len(s["acceptance_per_position"]) == 2
+
+
+def test_flat_and_nested_forms_are_the_same_draft_in_vllm(e2e_run, tiny_verifier):
+    """vLLM loads both forms; the converter must not change a single greedy token or acceptance count."""
+    from eaglet.vllm_run import run_vllm_job
+
+    prompts = load_prompts(Path(e2e_run["report"]["artifacts"]["data"]) / "eval.jsonl", 16)
+    job = {"verifier": str(tiny_verifier), "conversations": prompts, "max_tokens": 48, "max_model_len": 512,
+           "temperature": 0.0, "dtype": "float32", "k": 3}
+    flat = run_vllm_job(dict(job, draft=str(e2e_run["out"] / "draft")))
+    nested = run_vllm_job(dict(job, draft=str(e2e_run["out"] / "draft-speculators")))
+    assert flat["token_ids"] == nested["token_ids"]
+    assert flat["spec"] == nested["spec"] and flat["spec"]["accepted"] > 0
