@@ -7,6 +7,7 @@ Kimi-K2.5 is `kimi_k25` (a vision tower + a DeepseekV3 language model) with the 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 # The language-model fields of moonshotai/Kimi-K2.5's config.json (DeepseekV3 / "kimi_k2": MLA attention, MoE).
@@ -67,7 +68,8 @@ def make_tiny_kimi_verifier(out: Path, prompts_file: Path, seed: int = 0) -> Pat
         model.get_input_embeddings().weight.mul_(50.0)
         model.lm_head.weight.mul_(10.0)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    import shutil
-
+    saved = json.loads((out / "config.json").read_text())
+    saved["architectures"] = KIMI_K25["architectures"]  # the name in moonshotai's checkpoint (and vLLM's registry)
+    (out / "config.json").write_text(json.dumps(saved, indent=2))
     shutil.rmtree(out / "_tok")
     return out
