@@ -1,5 +1,6 @@
 """`eaglet` command line: `run` (the flow, locally), `smoke` (the vLLM check alone), and the converter:
-`flatten` (speculators -> vLLM flat), `unflatten` (flat -> speculators) and `validate` (a flat draft, no vLLM).
+`flatten` (speculators -> vLLM flat), `unflatten` (flat -> speculators) and `validate` (a flat draft, no vLLM),
+and `cache ls|gc` over the artifact store.
 
 It sits with the deployments at the top of the chain: it may import flows, nothing imports it.
 """
@@ -113,6 +114,64 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _duration(text: str) -> float:
+    from eaglet.errors import EagletError
+
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+    try:
+        return float(text[:-1]) * units[text[-1]] if text[-1] in units else float(text)
+    except (ValueError, IndexError):
+        raise EagletError(f"--older-than {text!r} is not a duration such as 90s, 30m, 12h or 7d") from None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _age(seconds: float) -> str:
+    for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= span:
+            return f"{seconds / span:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    import time
+
+    from eaglet import store
+    from eaglet.errors import EagletError
+
+    now = time.time()
+    if args.cache_command == "ls":
+        rows = store.list_artifacts()
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return 0
+        print(f"{'kind':<14} {'fingerprint':<18} {'size':>10} {'age':>6} {'last used':>9}  path")
+        for a in rows:
+            print(f"{a['kind']:<14} {a['key']:<18} {_size(a['bytes']):>10} {_age(now - a['created']):>6} "
+                  f"{_age(now - a['last_used']):>9}  {a['path']}")
+        print(f"{len(rows)} artifacts, {_size(sum(a['bytes'] for a in rows))} in {store.store_root()}")
+        return 0
+    if args.older_than is None and args.keep_last is None:
+        raise EagletError("cache gc needs --older-than and/or --keep-last (e.g. --older-than 7d --keep-last 2)")
+    older = _duration(args.older_than) if args.older_than else None
+    rows = store.gc(older, args.keep_last, args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
+    freed = 0
+    for a in rows:
+        if a.get("skipped"):
+            print(f"kept {a['kind']}/{a['key']}: {a['skipped']}")
+        else:
+            freed += a["bytes"]
+            print(f"{verb} {a['kind']}/{a['key']} ({_size(a['bytes'])})")
+    print(f"{verb} {_size(freed)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eaglet", description="Train EAGLE-3 drafts and ship them to vLLM.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -158,6 +217,17 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("draft", help="flat draft directory")
     val.add_argument("--verifier", required=True, help="verifier checkpoint the draft belongs to")
     val.set_defaults(fn=cmd_validate)
+
+    cache = sub.add_parser("cache", help="list or garbage-collect the artifact store ($EAGLET_HOME)")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True)
+    ls = cache_sub.add_parser("ls", help="artifact, kind, size, age, fingerprint, last used")
+    ls.add_argument("--json", action="store_true")
+    gc = cache_sub.add_parser("gc", help="delete artifacts not used lately (never one a live run is using)")
+    gc.add_argument("--older-than", help="unused for at least this long: 90s, 30m, 12h, 7d")
+    gc.add_argument("--keep-last", type=int, help="always keep the N most recently used of each kind")
+    gc.add_argument("--dry-run", action="store_true", help="list what would be deleted")
+    for p_ in (ls, gc):
+        p_.set_defaults(fn=cmd_cache)
     return p
 
 

@@ -12,6 +12,10 @@ HF's last entry is post-final-norm, vLLM's is not, so the last layer is captured
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -80,6 +84,9 @@ def extract_batch(model, batch_ids: list[list[int]], aux_ids: list[int], pad_id:
     return [stacked[i, : len(x)].cpu() for i, x in enumerate(batch_ids)]
 
 
+SHARD_RECORDS = ".shards"  # hidden_states/.shards/<n>.json: a finished shard's samples and file digests
+
+
 def extract_hidden_states(
     verifier_path: str,
     conversations_file: Path,
@@ -92,48 +99,103 @@ def extract_hidden_states(
     trust_remote_code: bool = False,
     progress=None,
 ) -> dict:
-    """Tokenize the conversations, run the verifier, and write everything speculators' trainer reads."""
-    from datasets import Dataset
+    """Tokenize the conversations, run the verifier, and write everything speculators' trainer reads.
+
+    Resumable: a shard is one batch (the same batches every time: longest first). Each shard's files are
+    written under temporary names and renamed, then a record with their sha256 is written. A rerun into the
+    same `out` keeps the shards whose records and files agree and recomputes the rest, so a kill -9 costs at
+    most the shard in flight and the result is byte-identical to an uninterrupted run. The verifier is loaded
+    only if a shard is left to do.
+    """
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(verifier_path, trust_remote_code=trust_remote_code)
     rows = read_conversations(conversations_file)
     samples, freq = tokenize_conversations(tok, rows, max_seq_len)
+    hs_dir = out / "hidden_states"
+    records = hs_dir / SHARD_RECORDS
+    records.mkdir(parents=True, exist_ok=True)
+    order = sorted(range(len(samples)), key=lambda i: -samples[i]["seq_len"])  # less padding per batch
+    shards = [order[b : b + batch_size] for b in range(0, len(order), batch_size)]
+    todo = [n for n, idx in enumerate(shards) if not _shard_done(records / f"{n}.json", idx, hs_dir)]
+
+    model, store_dtype = None, getattr(torch, dtype)
+    done_tokens, t0 = 0, time.perf_counter()
+    for count, n in enumerate(todo, 1):
+        if model is None:
+            model = load_verifier(verifier_path, resolve_device(device), trust_remote_code)
+            pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        idx = shards[n]
+        states = extract_batch(model, [samples[i]["input_ids"] for i in idx], aux_ids, pad_id)
+        digests = {}
+        for i, hs in zip(idx, states):
+            name = f"hs_{i}.safetensors"
+            tmp = hs_dir / f".{name}.tmp"
+            save_file({"hidden_states": hs.to(store_dtype).contiguous(),
+                       "token_ids": torch.tensor(samples[i]["input_ids"], dtype=torch.long)}, str(tmp))
+            os.replace(tmp, hs_dir / name)
+            digests[name] = _sha256(hs_dir / name)
+            done_tokens += samples[i]["seq_len"]
+        record = records / f"{n}.json"
+        record.with_suffix(".tmp").write_text(json.dumps({"samples": idx, "files": digests}))
+        os.replace(record.with_suffix(".tmp"), record)
+        if progress:
+            progress(len(shards) - len(todo) + count, len(shards), done_tokens / (time.perf_counter() - t0))
+    seconds = time.perf_counter() - t0
+    del model
+
     torch.save(dict(freq), out / "token_freq.pt")
+    _save_dataset(samples, out)
+    shutil.rmtree(records)  # the manifest carries every file's digest from here on
+    hidden_size = get_text_hidden_size(verifier_path)
+    return {
+        "samples": len(samples),
+        "tokens": sum(s["seq_len"] for s in samples),
+        "extracted_tokens": done_tokens,
+        "shards": len(shards),
+        "resumed_shards": len(shards) - len(todo),
+        "loss_tokens": sum(freq.values()),
+        "seconds": seconds,
+        "tokens_per_s": done_tokens / seconds if seconds and done_tokens else 0.0,
+        "bytes_per_token": (len(aux_ids) + 1) * hidden_size * store_dtype.itemsize,
+        "hidden_size": hidden_size,
+    }
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _shard_done(record: Path, idx: list[int], hs_dir: Path) -> bool:
+    """A finished shard: its record lists these samples and every file still has the recorded digest."""
+    try:
+        rec = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return False
+    if rec.get("samples") != idx:
+        return False
+    return all((hs_dir / name).is_file() and _sha256(hs_dir / name) == sha for name, sha in rec["files"].items())
+
+
+def _save_dataset(samples: list[dict], out: Path) -> None:
+    """speculators' dataset, with a content fingerprint (datasets draws a random one for in-memory data)."""
+    from datasets import Dataset
+
     ds = Dataset.from_list(samples)
+    fingerprint = hashlib.sha256(json.dumps(samples).encode()).hexdigest()[:16]
+    ds = Dataset(ds.data, info=ds.info, fingerprint=fingerprint)
     ds.set_format("torch")
     ds.save_to_disk(str(out))
 
-    model = load_verifier(verifier_path, resolve_device(device), trust_remote_code)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    store_dtype = getattr(torch, dtype)
-    hs_dir = out / "hidden_states"
-    hs_dir.mkdir()
-    order = sorted(range(len(samples)), key=lambda i: -samples[i]["seq_len"])  # less padding per batch
-    done_tokens, t0 = 0, time.perf_counter()
-    for b in range(0, len(order), batch_size):
-        idx = order[b : b + batch_size]
-        states = extract_batch(model, [samples[i]["input_ids"] for i in idx], aux_ids, pad_id)
-        for i, hs in zip(idx, states):
-            save_file(
-                {"hidden_states": hs.to(store_dtype).contiguous(),
-                 "token_ids": torch.tensor(samples[i]["input_ids"], dtype=torch.long)},
-                str(hs_dir / f"hs_{i}.safetensors"),
-            )
-            done_tokens += samples[i]["seq_len"]
-        if progress:
-            progress(min(b + batch_size, len(order)), len(order), done_tokens / (time.perf_counter() - t0))
-    seconds = time.perf_counter() - t0
-    hidden_size = model.config.get_text_config().hidden_size
-    del model
-    return {
-        "samples": len(samples),
-        "tokens": done_tokens,
-        "loss_tokens": sum(freq.values()),
-        "seconds": seconds,
-        "tokens_per_s": done_tokens / seconds if seconds else 0.0,
-        "bytes_per_token": (len(aux_ids) + 1) * hidden_size * store_dtype.itemsize,
-    }
+
+def get_text_hidden_size(verifier_path: str) -> int:
+    from eaglet.verifier import read_config_dict, text_config_of
+
+    return text_config_of(read_config_dict(Path(verifier_path)))["hidden_size"]
 
 
 def token_freq(path: Path) -> Counter:

@@ -7,14 +7,14 @@ import shutil
 from pathlib import Path
 
 from eaglet.config import RunConfig
-from eaglet.store import MANIFEST, publish_dir
+from eaglet.store import LAST_USED, MANIFEST, publish_dir
 from eaglet.verifier import VerifierInfo
 
 
 def _copy_artifact(src: Path, skip: tuple[str, ...] = ()):
     def build(tmp: Path) -> None:
         for p in src.iterdir():
-            if p.is_file() and p.name != MANIFEST and p.name not in skip:
+            if p.is_file() and p.name not in (MANIFEST, LAST_USED) and p.name not in skip:
                 shutil.copy2(p, tmp / p.name)
     return build
 

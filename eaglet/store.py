@@ -1,21 +1,37 @@
 """Content-addressed artifact store: `<root>/<kind>/<key>/` with a manifest, published by atomic rename.
 
-A reader never sees a half-written artifact: builders write into a temporary sibling directory, the manifest is
-written last, and `os.rename` publishes it. An artifact without a manifest is not an artifact.
+A reader never sees a half-written artifact: builders write into `<kind>/.partial-<key>/`, the manifest (inputs,
+versions, every file's size and sha256) is written last, and `os.rename` publishes it. An artifact without a
+manifest is not an artifact; one whose files no longer match their manifest sizes is moved aside and rebuilt.
+
+One builder per key: `publish` holds an exclusive `flock` on `<root>/.locks/<kind>-<key>.lock` while building,
+so a second run with the same inputs waits and then reuses the artifact. The kernel releases a flock when its
+holder dies, even by SIGKILL, so a dead run's lock never blocks anyone (flock is per host: on a shared network
+store, one host builds a given key at a time only if the filesystem supports flock, as NFSv4 and Lustre do).
+Runs that read an artifact hold a shared lock on it (`in_use`), which `eaglet cache gc` respects.
+
+A resumable builder (extraction, training) finds in `.partial-<key>/` whatever a killed attempt left, and
+continues from it; other builders start from an empty directory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
+import socket
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 MANIFEST = "manifest.json"
+LAST_USED = ".last_used"
+log = logging.getLogger("eaglet")
 
 
 def store_root() -> Path:
@@ -47,19 +63,118 @@ def is_published(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
-def publish(kind: str, key: str, build: Callable[[Path], None], inputs: dict | None = None, root: Path | None = None) -> Path:
-    """Return the artifact `kind/key`, building it with `build(tmp_dir)` if it is not already published."""
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _lock_file(path: Path) -> Path:
+    """`<root>/.locks/<kind>-<key>.lock` for the artifact `<root>/<kind>/<key>`."""
+    locks = path.parent.parent / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return locks / f"{path.parent.name}-{path.name}.lock"
+
+
+@contextlib.contextmanager
+def _flock(path: Path, mode: int, wait: bool = True):
+    """Yield True holding the lock, or False if `wait` is off and someone else holds it."""
+    fd = os.open(_lock_file(path), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not wait:
+                yield False
+                return
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another run"
+            log.info(f"waiting for {holder} to finish {path.parent.name}/{path.name}")
+            fcntl.flock(fd, mode)
+        if mode == fcntl.LOCK_EX:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.ctime()}".encode(), 0)
+        yield True
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock (as does the process dying)
+
+
+@contextlib.contextmanager
+def in_use(*paths: str | Path):
+    """Hold shared locks on artifacts while reading them, so garbage collection leaves them alone."""
+    with contextlib.ExitStack() as stack:
+        for p in paths:
+            p = Path(p)
+            if is_published(p):
+                stack.enter_context(_flock(p, fcntl.LOCK_SH))
+                touch_used(p)
+        yield
+
+
+def touch_used(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        (path / LAST_USED).write_text(str(time.time()))
+
+
+def last_used(path: Path) -> float:
+    try:
+        return float((path / LAST_USED).read_text())
+    except (OSError, ValueError):
+        return json.loads((path / MANIFEST).read_text())["created"]
+
+
+def intact(path: Path) -> bool:
+    """Every file the manifest lists is there with its size (cheap; `verify` re-hashes)."""
+    manifest = json.loads((path / MANIFEST).read_text())
+    for rel, meta in manifest["files"].items():
+        f = path / rel
+        if not f.is_file() or f.stat().st_size != meta["bytes"]:
+            return False
+    return True
+
+
+def verify(path: Path) -> list[str]:
+    """Files whose content no longer matches the manifest's sha256."""
+    manifest = json.loads((path / MANIFEST).read_text())
+    return [rel for rel, meta in manifest["files"].items()
+            if not (path / rel).is_file() or file_sha256(path / rel) != meta["sha256"]]
+
+
+def partial_path(kind: str, key: str, root: Path | None = None) -> Path:
+    return artifact_path(kind, f".partial-{key}", root)
+
+
+def publish(kind: str, key: str, build: Callable[[Path], None], inputs: dict | None = None,
+            root: Path | None = None, resumable: bool = False) -> Path:
+    """Return the artifact `kind/key`, building it with `build(work_dir)` if it is not already published."""
     final = artifact_path(kind, key, root)
-    if is_published(final):
+    if is_published(final) and intact(final):
+        touch_used(final)
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        build(tmp)
-        files = {
-            str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
-        }
+    with _flock(final, fcntl.LOCK_EX):
+        if is_published(final):
+            if intact(final):  # another run built it while we waited
+                touch_used(final)
+                return final
+            corrupt = final.parent / f".corrupt-{key}-{uuid.uuid4().hex[:8]}"
+            log.warning(f"{kind}/{key} no longer matches its manifest: moved to {corrupt.name}, rebuilding")
+            os.rename(final, corrupt)
+        elif final.exists():  # a directory without a manifest is not an artifact
+            shutil.rmtree(final)
+        work = partial_path(kind, key, root)
+        if work.exists() and not resumable:
+            shutil.rmtree(work)
+        work.mkdir(exist_ok=True)
+        try:
+            build(work)
+        except BaseException:
+            if not resumable:  # a resumable build keeps its finished shards for the next attempt
+                shutil.rmtree(work, ignore_errors=True)
+            raise
+        files = {str(p.relative_to(work)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+                 for p in sorted(work.rglob("*")) if p.is_file()}
         manifest = {
             "kind": kind,
             "key": key,
@@ -67,21 +182,17 @@ def publish(kind: str, key: str, build: Callable[[Path], None], inputs: dict | N
             "created": time.time(),
             "versions": _library_versions(),
             "files": files,
-            "bytes": sum(files.values()),
+            "bytes": sum(f["bytes"] for f in files.values()),
         }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
-        if final.exists():  # a stale unpublished directory (no manifest): replace it
-            shutil.rmtree(final)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not is_published(final):  # lost a race to an identical build: theirs is as good as ours
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        (work / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
+        os.rename(work, final)
     return final
+
+
+def artifact_digest(path: Path, exclude: tuple[str, ...] = ("stats.json",)) -> str:
+    """One digest of an artifact's content (its files' names and sha256; timings excluded) to compare builds."""
+    manifest = json.loads((Path(path) / MANIFEST).read_text())
+    return digest({rel: meta["sha256"] for rel, meta in manifest["files"].items() if rel not in exclude})
 
 
 def publish_dir(src_build: Callable[[Path], None], dest: Path) -> Path:
@@ -109,3 +220,69 @@ def published_since(path: str | Path, since: float) -> bool:
     """Whether the artifact at `path` was built at or after `since` (i.e. by the current run)."""
     manifest = json.loads((Path(path) / MANIFEST).read_text())
     return manifest["created"] >= since
+
+
+# --- listing and garbage collection (`eaglet cache ls|gc`) ------------------------------------------------------
+
+def list_artifacts(root: Path | None = None) -> list[dict]:
+    """Every published artifact: kind, key (its fingerprint), bytes, created, last used, path."""
+    root = root or store_root()
+    out = []
+    for kind_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) \
+            if root.is_dir() else []:
+        for path in sorted(kind_dir.iterdir()):
+            if path.name.startswith(".") or not is_published(path):
+                continue
+            manifest = json.loads((path / MANIFEST).read_text())
+            out.append({"kind": kind_dir.name, "key": path.name, "bytes": manifest["bytes"],
+                        "created": manifest["created"], "last_used": last_used(path), "path": str(path)})
+    return out
+
+
+def leftovers(root: Path | None = None) -> list[Path]:
+    """Partial builds and damaged artifacts moved aside (`.partial-*`, `.corrupt-*`)."""
+    root = root or store_root()
+    if not root.is_dir():
+        return []
+    return sorted(p for kind in root.iterdir() if kind.is_dir() and not kind.name.startswith(".")
+                  for p in kind.iterdir() if p.name.startswith((".partial-", ".corrupt-")))
+
+
+def gc(older_than_s: float | None = None, keep_last: int | None = None, dry_run: bool = False,
+       root: Path | None = None) -> list[dict]:
+    """Delete artifacts unused for `older_than_s` seconds, keeping the `keep_last` most recently used of each
+    kind. An artifact a live run holds (shared lock) or is building (exclusive lock) is never deleted."""
+    now, removed = time.time(), []
+    by_kind: dict[str, list[dict]] = {}
+    for a in list_artifacts(root):
+        by_kind.setdefault(a["kind"], []).append(a)
+    for items in by_kind.values():
+        items.sort(key=lambda a: -a["last_used"])
+        for rank, a in enumerate(items):
+            if keep_last is not None and rank < keep_last:
+                continue
+            if older_than_s is not None and now - a["last_used"] < older_than_s:
+                continue
+            path = Path(a["path"])
+            with _flock(path, fcntl.LOCK_EX, wait=False) as free:
+                if not free:
+                    a["skipped"] = "in use"
+                elif not dry_run:
+                    doomed = path.parent / f".deleting-{path.name}-{uuid.uuid4().hex[:8]}"
+                    os.rename(path, doomed)  # gone for readers at once; then removed
+                    shutil.rmtree(doomed)
+            removed.append(a)
+    for p in leftovers(root):
+        if older_than_s is not None and now - p.stat().st_mtime < older_than_s:
+            continue
+        key = p.name.split("-", 1)[1].rsplit("-", 1)[0] if p.name.startswith(".corrupt-") else p.name[len(".partial-"):]
+        with _flock(p.parent / key, fcntl.LOCK_EX, wait=False) as free:
+            if free and not dry_run:
+                shutil.rmtree(p, ignore_errors=True)
+            if free:
+                removed.append({"kind": p.parent.name, "key": p.name, "bytes": _dir_bytes(p), "path": str(p)})
+    return removed
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

@@ -8,6 +8,8 @@ accelerator calls are patched in `cpu_patches`, and the CPU-capable kernels are 
 from __future__ import annotations
 
 import contextlib
+import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -122,6 +124,60 @@ def _any_special_token_id(verifier_path: str) -> int:
         if value is not None:
             return int(value)
     return 0
+
+
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "optimizer_state_dict.pt", "scheduler_state_dict.pt")
+
+
+def checkpoint_problem(epoch_dir: Path) -> str | None:
+    """Why a speculators epoch checkpoint cannot be trusted (None if complete).
+
+    speculators resumes from the highest-numbered epoch directory without checking it, so one cut short by a
+    kill or a full disk would be loaded as if whole. safetensors: the header's data end must equal the file
+    size; the torch .pt files are zip archives whose CRCs are checked.
+    """
+    import struct
+    import zipfile
+
+    for name in CHECKPOINT_FILES:
+        if not (epoch_dir / name).is_file():
+            return f"{name} is missing"
+    st = epoch_dir / "model.safetensors"
+    try:
+        with open(st, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if st.stat().st_size != 8 + n + end:
+            return "model.safetensors is truncated"
+    except (struct.error, ValueError, KeyError):
+        return "model.safetensors has no valid header"
+    for name in ("optimizer_state_dict.pt", "scheduler_state_dict.pt"):
+        try:
+            with zipfile.ZipFile(epoch_dir / name) as z:
+                if z.testzip() is not None:
+                    return f"{name} is corrupt"
+        except (zipfile.BadZipFile, OSError):
+            return f"{name} is truncated"
+    try:
+        json.loads((epoch_dir / "config.json").read_text())
+    except ValueError:
+        return "config.json is not valid JSON"
+    return None
+
+
+def discard_incomplete_checkpoints(save_path: Path) -> list[str]:
+    """Remove epoch checkpoints a killed run left incomplete, so speculators resumes from the last whole one."""
+    removed = []
+    if not save_path.is_dir():
+        return removed
+    for d in sorted(save_path.iterdir()):
+        if d.is_dir() and not d.is_symlink() and d.name.isdigit():
+            problem = checkpoint_problem(d)
+            if problem:
+                shutil.rmtree(d)
+                removed.append(f"epoch {d.name}: {problem}")
+    return removed
 
 
 def last_checkpoint(save_path: Path) -> Path:

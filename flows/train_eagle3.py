@@ -25,7 +25,7 @@ def _run(timings: dict, name: str, task, *args):
     return result
 
 
-@flow(name="train-eagle3", log_prints=True)
+@flow(name="train-eagle3")  # no log_prints: dill (datasets hashing) prints disassembly through print()
 def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> dict:
     """Train an EAGLE-3 draft for a verifier and check it in vLLM."""
     log = get_run_logger()

@@ -28,8 +28,24 @@ def _key(kind: str, **inputs) -> str:
     return store.digest({"kind": kind, "code": eaglet.CODE_VERSION, "root": str(store.store_root()), **inputs})
 
 
-def _cache_key(kind: str, key_fn):
-    return lambda _ctx, params: f"eaglet-{kind}-{key_fn(**params)}"
+def _cache_key(kind: str, key_fn, artifact: bool = True):
+    """Prefect's cache key for a task = its artifact's store key. A cached result whose artifact has been
+    deleted (gc, by hand) or damaged would hand later tasks a dead path, so it is forgotten and the task reruns."""
+    def cache_key(_ctx, params) -> str:
+        key = key_fn(**params)
+        name = f"eaglet-{kind}-{key}"
+        path = store.artifact_path(kind, key)
+        if artifact and not (store.is_published(path) and store.intact(path)):
+            _forget_cached_result(name)
+        return name
+    return cache_key
+
+
+def _forget_cached_result(cache_key: str) -> None:
+    from prefect.settings import get_current_settings
+
+    record = Path(get_current_settings().results.local_storage_path).expanduser() / cache_key
+    record.unlink(missing_ok=True)
 
 
 def _not_user_error(_task, _run, state) -> bool:
@@ -157,17 +173,20 @@ def extract_hidden_states(verifier: VerifierInfo, conversations_dir: str, cfg: R
     e = cfg.extraction
 
     def progress(done: int, total: int, tps: float) -> None:
-        step = max(e.batch_size, total // 10)
-        if done == total or done % step < e.batch_size:  # about every 10%
-            log.info(f"extracted {done}/{total} samples, {tps:.0f} tokens/s")
+        if done == total or done % max(1, total // 10) == 0:  # about every 10%
+            log.info(f"extracted shard {done}/{total}, {tps:.0f} tokens/s")
 
-    def build(tmp: Path) -> None:
-        stats = extract(verifier.path, Path(conversations_dir) / "train.jsonl", tmp, verifier.aux_layer_ids,
+    def build(work: Path) -> None:
+        stats = extract(verifier.path, Path(conversations_dir) / "train.jsonl", work, verifier.aux_layer_ids,
                         cfg.data.max_seq_len, e.batch_size, e.dtype, e.device, verifier.trust_remote_code, progress)
-        (tmp / "stats.json").write_text(json.dumps(stats))
-        log.info(f"extracted {stats['tokens']} tokens at {stats['tokens_per_s']:.0f} tokens/s")
+        (work / "stats.json").write_text(json.dumps(stats))
+        if stats["resumed_shards"]:
+            log.info(f"resumed: {stats['resumed_shards']} of {stats['shards']} shards were already extracted")
+        log.info(f"extracted {stats['extracted_tokens']} tokens at {stats['tokens_per_s']:.0f} tokens/s")
 
-    return str(store.publish("hidden_states", extraction_key(verifier, conversations_dir, cfg), build))
+    key = extraction_key(verifier, conversations_dir, cfg)
+    with store.in_use(conversations_dir):
+        return str(store.publish("hidden_states", key, build, resumable=True))
 
 
 def vocab_key(verifier: VerifierInfo, states_dir: str, cfg: RunConfig) -> str:
@@ -201,27 +220,34 @@ def training_key(verifier: VerifierInfo, states_dir: str, vocab_dir: str, cfg: R
 @task(name="train-draft", cache_key_fn=_cache_key("draft_ckpt", training_key), persist_result=True)
 def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, cfg: RunConfig) -> str:
     """Train with speculators; the artifact is the final epoch's checkpoint (nested speculators format)."""
-    from eaglet.train import last_checkpoint, speculators_argv, train_draft as train
+    from eaglet.train import discard_incomplete_checkpoints, last_checkpoint, speculators_argv, train_draft as train
 
-    def build(tmp: Path) -> None:
-        work = tmp / "checkpoints"
+    log = get_run_logger()
+
+    def build(work_dir: Path) -> None:
+        work = work_dir / "checkpoints"  # kept across attempts: speculators resumes from the last epoch in it
+        for note in discard_incomplete_checkpoints(work):
+            log.warning(f"discarded an incomplete checkpoint ({note}); resuming from the one before")
         layer_config = None
         if cfg.draft.like:
             from eaglet.convert import read_reference, reference_layer_config, write_json
 
-            layer_config = tmp / "draft_layer_config.json"
+            layer_config = work_dir / "draft_layer_config.json"
             write_json(layer_config, reference_layer_config(read_reference(cfg.draft.like)))
         argv = speculators_argv(verifier.path, Path(states_dir), Path(vocab_dir), work, verifier.aux_layer_ids,
                                 cfg.draft.draft_vocab_size, cfg.draft, cfg.training, verifier.trust_remote_code,
                                 draft_config=layer_config, multimodal=verifier.nested_text_config)
-        (tmp / "speculators_train_argv.json").write_text(json.dumps(argv))
+        (work_dir / "speculators_train_argv.json").write_text(json.dumps(argv))
         train(argv)
         final = last_checkpoint(work)
         for name in ("config.json", "model.safetensors", "val_metrics.json"):
             if (final / name).exists():
-                shutil.copy(final / name, tmp / name)  # the top level is the draft; checkpoints/ keeps every epoch
+                shutil.copy(final / name, work_dir / name)  # the top level is the draft; checkpoints/ keeps every epoch
 
-    return str(store.publish("draft_ckpt", training_key(verifier, states_dir, vocab_dir, cfg), build))
+    with store.in_use(states_dir, vocab_dir):
+        return str(store.publish("draft_ckpt", training_key(verifier, states_dir, vocab_dir, cfg), build,
+                                 resumable=True))
+
 
 
 # --- export and smoke -----------------------------------------------------------------------------------------
@@ -262,7 +288,7 @@ def smoke_key(verifier: VerifierInfo, draft_dir: str, data_dir: str, cfg: RunCon
                 smoke=cfg.smoke.model_dump())
 
 
-@task(name="smoke-test", cache_key_fn=_cache_key("smoke", smoke_key), persist_result=True,
+@task(name="smoke-test", cache_key_fn=_cache_key("smoke", smoke_key, artifact=False), persist_result=True,
       retries=1, retry_delay_seconds=10, retry_condition_fn=_not_user_error)
 def smoke_test(verifier: VerifierInfo, draft_dir: str, data_dir: str, cfg: RunConfig) -> dict:
     from eaglet.smoke import load_prompts, smoke_test as smoke
