@@ -24,6 +24,8 @@ def _prefect_env() -> None:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "eaglet,speculators")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no network here; avoids telemetry errors
+    if os.environ.get("PREFECT_HOME"):  # the temporary server's SQLite file cannot be created in a missing dir
+        Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
 
 
 class _QuietUserErrors(logging.Filter):

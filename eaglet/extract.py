@@ -28,7 +28,7 @@ from eaglet.data import read_conversations, tokenize_conversations
 EXTRACTOR_VERSION = "hf-1"
 
 # How many times this process loaded verifier weights. An in-process count for tests; the run report derives
-# verifier_loads from which artifacts the run built (store.published_since).
+# verifier_loads from which artifacts the run built (store.built_by_this_process_since).
 VERIFIER_LOADS = 0
 
 
@@ -126,7 +126,12 @@ def extract_hidden_states(
             model = load_verifier(verifier_path, resolve_device(device), trust_remote_code)
             pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         idx = shards[n]
-        states = extract_batch(model, [samples[i]["input_ids"] for i in idx], aux_ids, pad_id)
+        try:
+            states = extract_batch(model, [samples[i]["input_ids"] for i in idx], aux_ids, pad_id)
+        except torch.OutOfMemoryError:
+            del model  # retries run in this process: give the memory back before the caller retries
+            _release_memory()
+            raise
         digests = {}
         for i, hs in zip(idx, states):
             name = f"hs_{i}.safetensors"
@@ -160,6 +165,14 @@ def extract_hidden_states(
         "bytes_per_token": (len(aux_ids) + 1) * hidden_size * store_dtype.itemsize,
         "hidden_size": hidden_size,
     }
+
+
+def _release_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _sha256(path: Path) -> str:

@@ -180,6 +180,7 @@ def publish(kind: str, key: str, build: Callable[[Path], None], inputs: dict | N
             "key": key,
             "inputs": inputs or {},
             "created": time.time(),
+            "built_by": {"pid": os.getpid(), "host": socket.gethostname()},
             "versions": _library_versions(),
             "files": files,
             "bytes": sum(f["bytes"] for f in files.values()),
@@ -216,10 +217,12 @@ def publish_dir(src_build: Callable[[Path], None], dest: Path) -> Path:
     return dest
 
 
-def published_since(path: str | Path, since: float) -> bool:
-    """Whether the artifact at `path` was built at or after `since` (i.e. by the current run)."""
+def built_by_this_process_since(path: str | Path, since: float) -> bool:
+    """Whether this process built the artifact at `path` at or after `since` (a run that waited for another
+    run's identical build and reused it did not)."""
     manifest = json.loads((Path(path) / MANIFEST).read_text())
-    return manifest["created"] >= since
+    by = manifest.get("built_by", {})
+    return manifest["created"] >= since and by.get("pid") == os.getpid() and by.get("host") == socket.gethostname()
 
 
 # --- listing and garbage collection (`eaglet cache ls|gc`) ------------------------------------------------------

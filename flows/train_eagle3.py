@@ -10,7 +10,7 @@ from prefect import flow, get_run_logger
 from eaglet.config import RunConfig
 from eaglet.data import DEFAULT_PROMPTS
 from eaglet.report import write_outputs
-from eaglet.store import published_since
+from eaglet.store import built_by_this_process_since
 from tasks import stages
 
 DATA_STAGES = ("regenerate-responses", "extract-hidden-states")  # the stages that load verifier weights
@@ -54,7 +54,7 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
     if params.smoke.enabled:
         smoke = _run(t, "smoke-test", stages.smoke_test, verifier, draft_dir, data_dir, params)
 
-    verifier_loads = sum(1 for name in DATA_STAGES if name in t and published_since(t[name]["result"], started))
+    verifier_loads = sum(1 for name in DATA_STAGES if name in t and built_by_this_process_since(t[name]["result"], started))
     artifacts = {"data": data_dir, "hidden_states": states_dir, "vocab": vocab_dir, "checkpoint": ckpt_dir,
                  "draft": draft_dir}
     if params.data.regenerate:

@@ -165,12 +165,25 @@ def extraction_key(verifier: VerifierInfo, conversations_dir: str, cfg: RunConfi
                 extractor=EXTRACTOR_VERSION)
 
 
-@task(name="extract-hidden-states", cache_key_fn=_cache_key("hidden_states", extraction_key), persist_result=True)
+def _out_of_memory(_task, _run, state) -> bool:
+    exc = state.result(raise_on_failure=False)
+    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()
+
+
+@task(name="extract-hidden-states", cache_key_fn=_cache_key("hidden_states", extraction_key), persist_result=True,
+      retries=2, retry_condition_fn=_out_of_memory)
 def extract_hidden_states(verifier: VerifierInfo, conversations_dir: str, cfg: RunConfig) -> str:
+    """Out of memory: retried (in this process, memory already released) with half the batch each time."""
+    from prefect.runtime import task_run
+
     from eaglet.extract import extract_hidden_states as extract
 
     log = get_run_logger()
     e = cfg.extraction
+    attempt = max(1, task_run.run_count or 1)
+    if attempt > 1:
+        e = e.model_copy(update={"batch_size": max(1, e.batch_size // 2 ** (attempt - 1))})
+        log.warning(f"attempt {attempt} after running out of memory: batch size {e.batch_size}")
 
     def progress(done: int, total: int, tps: float) -> None:
         if done == total or done % max(1, total // 10) == 0:  # about every 10%

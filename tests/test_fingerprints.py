@@ -1,0 +1,120 @@
+"""Nothing in the cache is reused with different inputs: every parameter that can change an artifact changes
+the key of the artifacts it affects, and each parameter that does not is listed here with the reason."""
+
+import json
+import typing
+
+import pytest
+
+from eaglet.config import RunConfig
+from eaglet.verifier import VerifierInfo
+from tasks import stages
+
+# Parameters that reach the artifacts another way, or change how they are computed and not what they are.
+NOT_IN_KEYS = {
+    "verifier.path": "enters as the verifier's content fingerprint (test_verifier_identity_is_in_every_key)",
+    "verifier.trust_remote_code": "allows loading; the fingerprint covers the config and files that decide the model",
+    "verifier.aux_layer_ids": "enters resolved, as VerifierInfo.aux_layer_ids (test_verifier_identity_is_in_every_key)",
+    "data.path": "enters as the file's sha256 (test_data_file_content_is_in_the_key)",
+    "extraction.batch_size": "how, not what: padding is masked out of every state (and an out-of-memory retry "
+                             "halves it for the same artifact)",
+    "extraction.device": "where, not what",
+    "draft.like": "enters as the reference's content (test_reference_content_is_in_the_training_key)",
+}
+
+
+def _chain(cfg: RunConfig, verifier: VerifierInfo, data_file: str) -> dict[str, str]:
+    """Every artifact key of a run, each built from its upstream artifact's key as the flow does."""
+    keys = {"data": stages.data_key(data_file, cfg)}
+    conversations = keys["data"]
+    if cfg.data.regenerate:
+        keys["responses"] = conversations = stages.regen_key(verifier, keys["data"], cfg)
+    keys["hidden_states"] = stages.extraction_key(verifier, conversations, cfg)
+    keys["vocab"] = stages.vocab_key(verifier, keys["hidden_states"], cfg)
+    keys["draft_ckpt"] = stages.training_key(verifier, keys["hidden_states"], keys["vocab"], cfg)
+    keys["draft_flat"] = stages.export_key(verifier, keys["draft_ckpt"], cfg)
+    keys["smoke"] = stages.smoke_key(verifier, keys["draft_flat"], keys["data"], cfg)
+    return keys
+
+
+def _leaves():
+    for section, sfield in RunConfig.model_fields.items():
+        for name in sfield.annotation.model_fields:
+            yield section, name
+
+
+def _other_value(model, name, value):
+    field = type(model).model_fields[name]
+    ann = field.annotation
+    args = [a for a in typing.get_args(ann) if a is not type(None)]
+    if typing.get_origin(ann) is typing.Literal:
+        return next(v for v in typing.get_args(ann) if v != value)
+    if ann is bool:
+        return not value
+    if ann is int or int in args:
+        bounds = {type(m).__name__: m for m in field.metadata}
+        up = value + 1 if value is not None else 5
+        return up if "Le" not in bounds or up <= bounds["Le"].le else value - 1
+    if ann is float:
+        return value / 2 if value else 0.5
+    if ann is str or str in args:
+        return "acme/other"
+    raise AssertionError(f"no perturbation for {name}: {ann}")
+
+
+@pytest.fixture
+def verifier():
+    return VerifierInfo(path="/v", fingerprint="f" * 16, model_type="llama", num_layers=8, hidden_size=128,
+                        vocab_size=2256, aux_layer_ids=[2, 4, 5])
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    f = tmp_path / "data.jsonl"
+    f.write_text('{"prompt": "hi"}\n')
+    return str(f)
+
+
+@pytest.mark.parametrize("section,name", list(_leaves()))
+def test_every_parameter_changes_the_keys_it_affects(section, name, verifier, data_file):
+    if f"{section}.{name}" in NOT_IN_KEYS:
+        pytest.skip(NOT_IN_KEYS[f"{section}.{name}"])
+    base = RunConfig()
+    sec = getattr(base, section)
+    changed = base.model_copy(update={section: sec.model_copy(update={name: _other_value(sec, name,
+                                                                                          getattr(sec, name))})})
+    RunConfig.model_validate(changed.model_dump())  # the perturbed value is a valid parameter
+    before, after = _chain(base, verifier, data_file), _chain(changed, verifier, data_file)
+    assert before != after, f"{section}.{name} changes no artifact key"
+
+
+def test_verifier_identity_is_in_every_key(verifier, data_file):
+    cfg = RunConfig()
+    base = _chain(cfg, verifier, data_file)
+    for update in ({"fingerprint": "0" * 16}, {"aux_layer_ids": [1, 4, 6]}):
+        other = _chain(cfg, verifier.model_copy(update=update), data_file)
+        for kind in ("hidden_states", "vocab", "draft_ckpt", "draft_flat", "smoke"):
+            assert other[kind] != base[kind], (update, kind)
+
+
+def test_data_file_content_is_in_the_key(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"prompt": "a"}\n')
+    k1 = stages.data_key(str(f), RunConfig())
+    f.write_text('{"prompt": "b"}\n')
+    assert stages.data_key(str(f), RunConfig()) != k1
+
+
+def test_reference_content_is_in_the_training_key(tmp_path, verifier, data_file):
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({"hidden_size": 128, "num_attention_heads": 2, "intermediate_size": 256,
+                               "vocab_size": 2256, "head_dim": 64}))
+    cfg = RunConfig.model_validate({"draft": {"like": str(ref)}})
+    k1 = _chain(cfg, verifier, data_file)["draft_ckpt"]
+    ref.write_text(json.dumps({"hidden_size": 128, "num_attention_heads": 2, "intermediate_size": 512,
+                               "vocab_size": 2256, "head_dim": 64}))
+    assert _chain(cfg, verifier, data_file)["draft_ckpt"] != k1
+    moved = tmp_path / "moved.json"
+    moved.write_text(ref.read_text())
+    same = RunConfig.model_validate({"draft": {"like": str(moved)}})
+    assert _chain(same, verifier, data_file)["draft_ckpt"] == _chain(cfg, verifier, data_file)["draft_ckpt"]
