@@ -119,7 +119,7 @@ def extract_hidden_states(
     shards = [order[b : b + batch_size] for b in range(0, len(order), batch_size)]
     todo = [n for n, idx in enumerate(shards) if not _shard_done(records / f"{n}.json", idx, hs_dir)]
 
-    model, store_dtype = None, getattr(torch, dtype)
+    model = None
     done_tokens, t0 = 0, time.perf_counter()
     for count, n in enumerate(todo, 1):
         if model is None:
@@ -136,7 +136,7 @@ def extract_hidden_states(
         for i, hs in zip(idx, states):
             name = f"hs_{i}.safetensors"
             tmp = hs_dir / f".{name}.tmp"
-            save_file({"hidden_states": hs.to(store_dtype).contiguous(),
+            save_file({**_stored(hs, dtype),
                        "token_ids": torch.tensor(samples[i]["input_ids"], dtype=torch.long)}, str(tmp))
             os.replace(tmp, hs_dir / name)
             digests[name] = _sha256(hs_dir / name)
@@ -162,9 +162,26 @@ def extract_hidden_states(
         "loss_tokens": sum(freq.values()),
         "seconds": seconds,
         "tokens_per_s": done_tokens / seconds if seconds and done_tokens else 0.0,
-        "bytes_per_token": (len(aux_ids) + 1) * hidden_size * store_dtype.itemsize,
+        "bytes_per_token": bytes_per_token(len(aux_ids) + 1, hidden_size, dtype),
         "hidden_size": hidden_size,
     }
+
+
+def _stored(hs: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """The tensors of one sample's file. fp8 is hs-connectors' layout: e4m3 values + a per-token float32 scale
+    (`hidden_states_scales`), which speculators' `--hidden-states-backend fp8` dequantizes when it loads."""
+    if dtype == "fp8":
+        from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
+
+        values, scales = quantize_tensor_to_fp8(hs)
+        return {"hidden_states": values.contiguous(), SCALES_KEY: scales.contiguous()}
+    return {"hidden_states": hs.to(getattr(torch, dtype)).contiguous()}
+
+
+def bytes_per_token(n_states: int, hidden_size: int, dtype: str) -> int:
+    if dtype == "fp8":
+        return n_states * hidden_size + 4
+    return n_states * hidden_size * getattr(torch, dtype).itemsize
 
 
 def _release_memory() -> None:

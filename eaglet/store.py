@@ -124,10 +124,15 @@ def last_used(path: Path) -> float:
         return json.loads((path / MANIFEST).read_text())["created"]
 
 
+def _files(path: Path) -> dict[str, dict]:
+    """The manifest's files as {name: {"bytes", "sha256"?}} (manifests before sha256 listed sizes only)."""
+    files = json.loads((path / MANIFEST).read_text())["files"]
+    return {rel: meta if isinstance(meta, dict) else {"bytes": meta} for rel, meta in files.items()}
+
+
 def intact(path: Path) -> bool:
     """Every file the manifest lists is there with its size (cheap; `verify` re-hashes)."""
-    manifest = json.loads((path / MANIFEST).read_text())
-    for rel, meta in manifest["files"].items():
+    for rel, meta in _files(path).items():
         f = path / rel
         if not f.is_file() or f.stat().st_size != meta["bytes"]:
             return False
@@ -135,10 +140,10 @@ def intact(path: Path) -> bool:
 
 
 def verify(path: Path) -> list[str]:
-    """Files whose content no longer matches the manifest's sha256."""
-    manifest = json.loads((path / MANIFEST).read_text())
-    return [rel for rel, meta in manifest["files"].items()
-            if not (path / rel).is_file() or file_sha256(path / rel) != meta["sha256"]]
+    """Files whose content no longer matches the manifest's sha256 (or size, for older manifests)."""
+    return [rel for rel, meta in _files(path).items()
+            if not (path / rel).is_file() or ("sha256" in meta and file_sha256(path / rel) != meta["sha256"])
+            or (path / rel).stat().st_size != meta["bytes"]]
 
 
 def partial_path(kind: str, key: str, root: Path | None = None) -> Path:
@@ -192,8 +197,8 @@ def publish(kind: str, key: str, build: Callable[[Path], None], inputs: dict | N
 
 def artifact_digest(path: Path, exclude: tuple[str, ...] = ("stats.json",)) -> str:
     """One digest of an artifact's content (its files' names and sha256; timings excluded) to compare builds."""
-    manifest = json.loads((Path(path) / MANIFEST).read_text())
-    return digest({rel: meta["sha256"] for rel, meta in manifest["files"].items() if rel not in exclude})
+    return digest({rel: meta.get("sha256") or file_sha256(Path(path) / rel)
+                   for rel, meta in _files(Path(path)).items() if rel not in exclude})
 
 
 def publish_dir(src_build: Callable[[Path], None], dest: Path) -> Path:

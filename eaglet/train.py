@@ -63,6 +63,7 @@ def speculators_argv(
     trust_remote_code: bool = False,
     draft_config: Path | None = None,
     multimodal: bool = False,
+    states_dtype: str = "bfloat16",
 ) -> list[str]:
     """The `speculators train` arguments for this run (also written to the artifact for reproduction)."""
     flag = lambda name, on: f"--{name}" if on else f"--no-{name}"  # noqa: E731
@@ -92,6 +93,8 @@ def speculators_argv(
     ]
     if trust_remote_code:
         argv.append("--trust-remote-code")
+    if states_dtype == "fp8":  # hs-connectors' reader dequantizes e4m3 + per-token scales on load
+        argv += ["--hidden-states-backend", "fp8"]
     if multimodal:
         # speculators resolves a mask token (used by DFlash/P-EAGLE, never by EAGLE-3) through AutoProcessor,
         # which for Kimi-K2.5 / VL verifiers loads the image processor (torchvision); an explicit id skips it.

@@ -249,7 +249,8 @@ def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, cfg: Ru
             write_json(layer_config, reference_layer_config(read_reference(cfg.draft.like)))
         argv = speculators_argv(verifier.path, Path(states_dir), Path(vocab_dir), work, verifier.aux_layer_ids,
                                 cfg.draft.draft_vocab_size, cfg.draft, cfg.training, verifier.trust_remote_code,
-                                draft_config=layer_config, multimodal=verifier.nested_text_config)
+                                draft_config=layer_config, multimodal=verifier.nested_text_config,
+                                states_dtype=cfg.extraction.dtype)
         (work_dir / "speculators_train_argv.json").write_text(json.dumps(argv))
         train(argv)
         final = last_checkpoint(work)

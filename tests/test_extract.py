@@ -49,3 +49,25 @@ def test_extraction_writes_speculators_format(tiny_verifier, tmp_path):
         assert torch.equal(f["token_ids"], ds[i]["input_ids"])
     freq = torch.load(out / "token_freq.pt", weights_only=True)
     assert sum(freq.values()) == sum(int(ds[i]["loss_mask"].sum()) for i in range(2))
+
+
+def test_fp8_storage_halves_the_bytes_and_speculators_reads_it_back(tiny_verifier, tmp_path):
+    from hs_connectors.transfer import FP8Transfer
+
+    convs = tmp_path / "c.jsonl"
+    write_conversations(convs, [[{"role": "user", "content": "why is the sky blue?"},
+                                 {"role": "assistant", "content": "light is scattered by the air"}]])
+    stores = {}
+    for dtype in ("bfloat16", "fp8"):
+        out = tmp_path / dtype
+        out.mkdir()
+        stats = extract_hidden_states(str(tiny_verifier), convs, out, [2, 4, 5], 64, batch_size=1, dtype=dtype)
+        stores[dtype] = (out, stats)
+    assert stores["fp8"][1]["bytes_per_token"] == 4 * 128 + 4 and stores["bfloat16"][1]["bytes_per_token"] == 1024
+    raw = load_file(str(stores["fp8"][0] / "hidden_states" / "hs_0.safetensors"))
+    assert raw["hidden_states"].dtype == torch.float8_e4m3fn and raw["hidden_states_scales"].shape[1:] == (1, 1)
+    # what speculators' trainer gets through `--hidden-states-backend fp8`
+    restored = FP8Transfer(stores["fp8"][0] / "hidden_states").get_cached(0)["hidden_states"].float()
+    exact = load_file(str(stores["bfloat16"][0] / "hidden_states" / "hs_0.safetensors"))["hidden_states"].float()
+    rel = ((restored - exact).norm() / exact.norm()).item()
+    assert restored.shape == exact.shape and 0 < rel < 0.06, rel  # e4m3 keeps ~3 significant bits
