@@ -248,12 +248,13 @@ def list_artifacts(root: Path | None = None) -> list[dict]:
 
 
 def leftovers(root: Path | None = None) -> list[Path]:
-    """Partial builds and damaged artifacts moved aside (`.partial-*`, `.corrupt-*`)."""
+    """Partial builds, damaged artifacts moved aside, and deletions cut short (`.partial-*`, `.corrupt-*`,
+    `.deleting-*`)."""
     root = root or store_root()
     if not root.is_dir():
         return []
     return sorted(p for kind in root.iterdir() if kind.is_dir() and not kind.name.startswith(".")
-                  for p in kind.iterdir() if p.name.startswith((".partial-", ".corrupt-")))
+                  for p in kind.iterdir() if p.name.startswith((".partial-", ".corrupt-", ".deleting-")))
 
 
 def gc(older_than_s: float | None = None, keep_last: int | None = None, dry_run: bool = False,
@@ -283,12 +284,16 @@ def gc(older_than_s: float | None = None, keep_last: int | None = None, dry_run:
     for p in leftovers(root):
         if older_than_s is not None and now - p.stat().st_mtime < older_than_s:
             continue
-        key = p.name.split("-", 1)[1].rsplit("-", 1)[0] if p.name.startswith(".corrupt-") else p.name[len(".partial-"):]
-        with _flock(p.parent / key, fcntl.LOCK_EX, wait=False) as free:
-            if free and not dry_run:
-                shutil.rmtree(p, ignore_errors=True)
-            if free:
-                removed.append({"kind": p.parent.name, "key": p.name, "bytes": _dir_bytes(p), "path": str(p)})
+        entry = {"kind": p.parent.name, "key": p.name, "bytes": _dir_bytes(p), "path": str(p)}
+        if p.name.startswith(".partial-"):  # a live builder holds its key's lock: leave its work alone
+            with _flock(p.parent / p.name[len(".partial-"):], fcntl.LOCK_EX, wait=False) as free:
+                if not free:
+                    continue
+                if not dry_run:
+                    shutil.rmtree(p, ignore_errors=True)
+        elif not dry_run:  # moved aside: nobody uses it
+            shutil.rmtree(p, ignore_errors=True)
+        removed.append(entry)
     return removed
 
 

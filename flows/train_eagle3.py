@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from pathlib import Path
 
@@ -10,18 +12,21 @@ from prefect import flow, get_run_logger
 from eaglet.config import RunConfig
 from eaglet.data import DEFAULT_PROMPTS
 from eaglet.report import write_outputs
-from eaglet.store import built_by_this_process_since
+from eaglet.store import built_by_this_process_since, in_use, is_published
 from tasks import stages
 
 DATA_STAGES = ("regenerate-responses", "extract-hidden-states")  # the stages that load verifier weights
 
 
-def _run(timings: dict, name: str, task, *args):
-    """Call a task, record its final state and wall time, and return its result."""
+def _run(timings: dict, held: contextlib.ExitStack, name: str, task, *args):
+    """Call a task, record its final state and wall time, and return its result. An artifact it returns stays
+    marked in use until the flow ends, so `eaglet cache gc` cannot delete it between two tasks."""
     t0 = time.perf_counter()
     state = task(*args, return_state=True)
     result = state.result()  # raises the task's exception if it failed
     timings[name] = {"state": state.name, "seconds": round(time.perf_counter() - t0, 2), "result": result}
+    if isinstance(result, str) and is_published(Path(result)):
+        held.enter_context(in_use(result))
     return result
 
 
@@ -32,34 +37,36 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
     started = time.time()
     t: dict = {}
     data_file = params.data.path or str(DEFAULT_PROMPTS)
+    with contextlib.ExitStack() as held:
+        run = functools.partial(_run, t, held)
 
-    # Cheap checks before anything loads weights (the embedded verifier's conversion does).
-    if params.draft.like:
-        params = _run(t, "read-reference", stages.read_reference, params)
-    data_dir = _run(t, "prepare-data", stages.prepare_data, data_file, params)
-    verifier_path = params.verifier.path or _run(t, "convert-embedded-verifier", stages.convert_embedded_verifier,
-                                                 params.verifier.aux_layer_ids, params.draft.draft_vocab_size)
-    verifier = _run(t, "resolve-verifier", stages.resolve_verifier, verifier_path, params.verifier.aux_layer_ids,
-                    params.verifier.trust_remote_code, params.draft.draft_vocab_size, params.draft.like)
+        # Cheap checks before anything loads weights (the embedded verifier's conversion does).
+        if params.draft.like:
+            params = run("read-reference", stages.read_reference, params)
+        data_dir = run("prepare-data", stages.prepare_data, data_file, params)
+        verifier_path = params.verifier.path or run("convert-embedded-verifier", stages.convert_embedded_verifier,
+                                                    params.verifier.aux_layer_ids, params.draft.draft_vocab_size)
+        verifier = run("resolve-verifier", stages.resolve_verifier, verifier_path, params.verifier.aux_layer_ids,
+                       params.verifier.trust_remote_code, params.draft.draft_vocab_size, params.draft.like)
 
-    conversations_dir = data_dir
-    if params.data.regenerate:
-        conversations_dir = _run(t, "regenerate-responses", stages.regenerate_responses, verifier, data_dir, params)
-    states_dir = _run(t, "extract-hidden-states", stages.extract_hidden_states, verifier, conversations_dir, params)
-    vocab_dir = _run(t, "build-vocab", stages.build_vocab, verifier, states_dir, params)
-    ckpt_dir = _run(t, "train-draft", stages.train_draft, verifier, states_dir, vocab_dir, params)
-    draft_dir = _run(t, "export-draft", stages.export_draft, verifier, ckpt_dir, params)
-    _run(t, "validate-draft", stages.validate_draft, verifier, draft_dir)
-    smoke = None
-    if params.smoke.enabled:
-        smoke = _run(t, "smoke-test", stages.smoke_test, verifier, draft_dir, data_dir, params)
+        conversations_dir = data_dir
+        if params.data.regenerate:
+            conversations_dir = run("regenerate-responses", stages.regenerate_responses, verifier, data_dir, params)
+        states_dir = run("extract-hidden-states", stages.extract_hidden_states, verifier, conversations_dir, params)
+        vocab_dir = run("build-vocab", stages.build_vocab, verifier, states_dir, params)
+        ckpt_dir = run("train-draft", stages.train_draft, verifier, states_dir, vocab_dir, params)
+        draft_dir = run("export-draft", stages.export_draft, verifier, ckpt_dir, params)
+        run("validate-draft", stages.validate_draft, verifier, draft_dir)
+        smoke = None
+        if params.smoke.enabled:
+            smoke = run("smoke-test", stages.smoke_test, verifier, draft_dir, data_dir, params)
 
-    verifier_loads = sum(1 for name in DATA_STAGES if name in t and built_by_this_process_since(t[name]["result"], started))
-    artifacts = {"data": data_dir, "hidden_states": states_dir, "vocab": vocab_dir, "checkpoint": ckpt_dir,
-                 "draft": draft_dir}
-    if params.data.regenerate:
-        artifacts["responses"] = conversations_dir
-    report = write_outputs(Path(output_dir), params, verifier, t, artifacts, verifier_loads, smoke)
+        verifier_loads = sum(1 for name in DATA_STAGES
+                             if name in t and built_by_this_process_since(t[name]["result"], started))
+        artifacts = {"data": data_dir, "hidden_states": states_dir, "vocab": vocab_dir, "checkpoint": ckpt_dir,
+                     "draft": draft_dir}
+        if params.data.regenerate:
+            artifacts["responses"] = conversations_dir
+        report = write_outputs(Path(output_dir), params, verifier, t, artifacts, verifier_loads, smoke)
     log.info(f"draft written to {report['draft_dir']}; report at {Path(output_dir) / 'report.md'}")
     return report
-

@@ -71,3 +71,42 @@ def test_fp8_storage_halves_the_bytes_and_speculators_reads_it_back(tiny_verifie
     exact = load_file(str(stores["bfloat16"][0] / "hidden_states" / "hs_0.safetensors"))["hidden_states"].float()
     rel = ((restored - exact).norm() / exact.norm()).item()
     assert restored.shape == exact.shape and 0 < rel < 0.06, rel  # e4m3 keeps ~3 significant bits
+
+
+def test_interrupted_extraction_resumes_and_redoes_a_corrupted_shard(tiny_verifier, tmp_path):
+    """Shards finished before a crash are kept, a damaged one is redone, and the result is byte-identical to an
+    uninterrupted extraction."""
+    import json
+
+    convs = tmp_path / "c.jsonl"
+    write_conversations(convs, [[{"role": "user", "content": f"question {i} about rain"},
+                                 {"role": "assistant", "content": "answer " * (i + 1)}] for i in range(8)])
+
+    class Crash(Exception):
+        pass
+
+    def crash_after_three(done, total, tps):
+        if done == 3:
+            raise Crash  # as if killed after the third shard's record was written
+
+    work = tmp_path / "work"
+    work.mkdir()
+    try:
+        extract_hidden_states(str(tiny_verifier), convs, work, [2, 4, 5], 64, batch_size=2,
+                              progress=crash_after_three)
+    except Crash:
+        pass
+    records = sorted((work / "hidden_states" / ".shards").glob("*.json"))
+    assert [r.name for r in records] == ["0.json", "1.json", "2.json"]
+    damaged = next(iter(json.loads(records[1].read_text())["files"]))
+    (work / "hidden_states" / damaged).write_bytes(b"not what was recorded")
+    stats = extract_hidden_states(str(tiny_verifier), convs, work, [2, 4, 5], 64, batch_size=2)
+    assert stats["shards"] == 4 and stats["resumed_shards"] == 2  # shard 1 redone, shard 3 never done
+
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    extract_hidden_states(str(tiny_verifier), convs, clean, [2, 4, 5], 64, batch_size=2)
+    files = sorted(p.relative_to(clean) for p in clean.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(work) for p in work.rglob("*") if p.is_file())
+    for f in files:
+        assert (clean / f).read_bytes() == (work / f).read_bytes(), f
