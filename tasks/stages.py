@@ -233,7 +233,8 @@ def training_key(verifier: VerifierInfo, states_dir: str, vocab_dir: str, cfg: R
 @task(name="train-draft", cache_key_fn=_cache_key("draft_ckpt", training_key), persist_result=True)
 def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, cfg: RunConfig) -> str:
     """Train with speculators; the artifact is the final epoch's checkpoint (nested speculators format)."""
-    from eaglet.train import discard_incomplete_checkpoints, last_checkpoint, speculators_argv, train_draft as train
+    from eaglet.train import (discard_incomplete_checkpoints, last_checkpoint, speculators_argv,
+                              train_draft as train, write_final_draft)
 
     log = get_run_logger()
 
@@ -253,10 +254,7 @@ def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, cfg: Ru
                                 states_dtype=cfg.extraction.dtype)
         (work_dir / "speculators_train_argv.json").write_text(json.dumps(argv))
         train(argv)
-        final = last_checkpoint(work)
-        for name in ("config.json", "model.safetensors", "val_metrics.json"):
-            if (final / name).exists():
-                shutil.copy(final / name, work_dir / name)  # the top level is the draft; checkpoints/ keeps every epoch
+        write_final_draft(last_checkpoint(work), work_dir)  # the top level is the draft; checkpoints/ keeps every epoch
 
     with store.in_use(states_dir, vocab_dir):
         return str(store.publish("draft_ckpt", training_key(verifier, states_dir, vocab_dir, cfg), build,

@@ -100,6 +100,11 @@ def test_kill_9_mid_extraction_and_mid_training_then_resume(tiny_verifier, answe
                     tmp_path / "clean-home")
     assert store.artifact_digest(report["artifacts"]["hidden_states"]) == store.artifact_digest(
         clean["artifacts"]["hidden_states"])
+    for name in ("model.safetensors", "config.json"):  # the trained draft, bit for bit
+        assert (Path(report["artifacts"]["checkpoint"]) / name).read_bytes() == (
+            Path(clean["artifacts"]["checkpoint"]) / name).read_bytes(), name
+    assert (Path(report["draft_dir"]) / "model.safetensors").read_bytes() == (
+        Path(clean["draft_dir"]) / "model.safetensors").read_bytes()
 
 
 def test_concurrent_identical_runs_extract_once(tiny_verifier, answered, tmp_path):
