@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from eaglet.data import read_conversations, tokenize_conversations
+from eaglet.store import file_sha256
 
 EXTRACTOR_VERSION = "hf-1"
 
@@ -139,7 +140,7 @@ def extract_hidden_states(
             save_file({**_stored(hs, dtype),
                        "token_ids": torch.tensor(samples[i]["input_ids"], dtype=torch.long)}, str(tmp))
             os.replace(tmp, hs_dir / name)
-            digests[name] = _sha256(hs_dir / name)
+            digests[name] = file_sha256(hs_dir / name)
             done_tokens += samples[i]["seq_len"]
         record = records / f"{n}.json"
         record.with_suffix(".tmp").write_text(json.dumps({"samples": idx, "files": digests}))
@@ -192,14 +193,6 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _shard_done(record: Path, idx: list[int], hs_dir: Path) -> bool:
     """A finished shard: its record lists these samples and every file still has the recorded digest."""
     try:
@@ -208,7 +201,7 @@ def _shard_done(record: Path, idx: list[int], hs_dir: Path) -> bool:
         return False
     if rec.get("samples") != idx:
         return False
-    return all((hs_dir / name).is_file() and _sha256(hs_dir / name) == sha for name, sha in rec["files"].items())
+    return all((hs_dir / name).is_file() and file_sha256(hs_dir / name) == sha for name, sha in rec["files"].items())
 
 
 def _save_dataset(samples: list[dict], out: Path) -> None:

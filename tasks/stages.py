@@ -6,7 +6,6 @@ be transient, and returns a small reference (a path and a few numbers), never a 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -57,11 +56,7 @@ def _not_user_error(_task, _run, state) -> bool:
 def file_digest(path: str | Path) -> str:
     if not Path(path).is_file():
         return "missing"  # the task itself reports the problem
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
+    return store.file_sha256(Path(path))[:16]
 
 
 # --- verifier -----------------------------------------------------------------------------------------------
