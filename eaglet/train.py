@@ -48,6 +48,24 @@ def cpu_patches():
 
 
 @contextlib.contextmanager
+def keep_log_handlers():
+    """speculators' `setup_metric_logger` calls `logging.config.dictConfig`, which first flushes and closes every
+    existing handler while holding logging's module lock. Prefect's API log handler flushes by waiting for its
+    worker threads, and one of those may be waiting for that very lock (creating a logger): the run deadlocks.
+    Seen once in a demo run (no log line for 19 minutes; the main thread in `APILogHandler.flush` under
+    `dictConfig`, a Prefect worker in `logging.getLogger`). speculators' loggers are configured the same way,
+    minus the clearing of handlers that are not its own."""
+    import logging.config
+
+    saved = logging.config._clearExistingHandlers
+    logging.config._clearExistingHandlers = lambda: None
+    try:
+        yield
+    finally:
+        logging.config._clearExistingHandlers = saved
+
+
+@contextlib.contextmanager
 def lossless_checkpoints():
     """speculators 0.9.0 saves each epoch checkpoint (weights and optimizer state) in bfloat16 while training
     keeps float32, so a run resumed from one continues from rounded state and ends elsewhere (measured on the
@@ -237,7 +255,7 @@ def train_draft(argv: list[str]) -> None:
     from speculators.train.config import TrainConfig
 
     cfg = TrainConfig.resolve(argv)
-    with lossless_checkpoints():
+    with lossless_checkpoints(), keep_log_handlers():
         if on_accelerator():
             main(cfg)
         else:
