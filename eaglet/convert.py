@@ -133,13 +133,9 @@ def flatten(src: Path, dst: Path, verifier: str | None = None, serving_id: str |
             layer_prefix: str = "layers.0", keep_embeddings: bool = False) -> dict:
     """Write the flat vLLM draft for the speculators checkpoint `src` to `dst` (atomically); return its config."""
     src, dst = Path(src), Path(dst)
-    nested = read_config(src)
-    if not is_nested(nested):
-        raise EagletError(f"{src} is not a speculators checkpoint (no speculators_config in config.json); "
-                          "`eaglet validate` checks a flat draft, `eaglet unflatten` converts one back")
-    verifier = verifier or nested["speculators_config"].get("verifier", {}).get("name_or_path")
+    recorded = read_config(src).get("speculators_config", {}).get("verifier", {}).get("name_or_path")
     with staged_output(src, dst) as tmp:
-        return write_flat(src, tmp, verifier, serving_id, layer_prefix, keep_embeddings)
+        return write_flat(src, tmp, verifier or recorded, serving_id, layer_prefix, keep_embeddings)
 
 
 def write_flat(src: Path, out: Path, verifier: str | None, serving_id: str | None = None,
@@ -147,7 +143,8 @@ def write_flat(src: Path, out: Path, verifier: str | None, serving_id: str | Non
     """Write the flat draft of `src` into the empty directory `out`."""
     nested = read_config(src)
     if not is_nested(nested):
-        raise EagletError(f"{src} is not a speculators checkpoint (no speculators_config in config.json)")
+        raise EagletError(f"{src} is not a speculators checkpoint (no speculators_config in config.json); "
+                          "`eaglet validate` checks a flat draft, `eaglet unflatten` converts one back")
     if not verifier or not (Path(verifier) / "config.json").is_file():
         raise EagletError(f"the verifier {verifier!r} of {src} is not a local checkpoint: pass --verifier PATH")
     if layer_prefix not in ("layers.0", "midlayer"):
