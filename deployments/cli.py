@@ -1,6 +1,6 @@
 """`eaglet` command line: `run` (the flow, locally), `smoke` (the vLLM check alone), and the converter:
 `flatten` (speculators -> vLLM flat), `unflatten` (flat -> speculators) and `validate` (a flat draft, no vLLM),
-and `cache ls|gc` over the artifact store.
+`cache ls|gc` over the artifact store, and `stack up|down|status` (the local Prefect server, deployments, worker).
 
 It sits with the deployments at the top of the chain: it may import flows, nothing imports it.
 """
@@ -174,6 +174,24 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stack(args: argparse.Namespace) -> int:
+    from deployments import stack
+
+    if args.stack_command == "up":
+        info = stack.up(port=args.port, deploy=not args.no_deploy, worker=not args.no_worker)
+        print(f"Prefect server: {info['ui_url']} (database {info['database']})")
+        print(f"work pool {info['pool']}" + ("" if args.no_worker else " with a worker")
+              + ("" if args.no_deploy else "; deployments train-eagle3/manual, nightly-retrain, ci"))
+        print(f"to use it from this shell: source {stack.stack_dir() / 'env.sh'}")
+        print("then e.g.: prefect deployment run train-eagle3/ci --watch")
+    elif args.stack_command == "down":
+        stopped = stack.down()
+        print("stopped " + ", ".join(stopped) if stopped else "nothing was running")
+    else:
+        print(json.dumps(stack.status(), indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eaglet", description="Train EAGLE-3 drafts and ship them to vLLM.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -230,6 +248,17 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--dry-run", action="store_true", help="list what would be deleted")
     for p_ in (ls, gc):
         p_.set_defaults(fn=cmd_cache)
+
+    st = sub.add_parser("stack", help="the local Prefect stack: server, work pool, deployments, worker")
+    st_sub = st.add_subparsers(dest="stack_command", required=True)
+    st_up = st_sub.add_parser("up", help="start the server on 127.0.0.1, deploy prefect.yaml, start a worker")
+    st_up.add_argument("--port", type=int, default=4200)
+    st_up.add_argument("--no-deploy", action="store_true", help="do not (re)apply prefect.yaml's deployments")
+    st_up.add_argument("--no-worker", action="store_true", help="no worker (start your own, e.g. on a GPU host)")
+    st_sub.add_parser("down", help="stop the worker and the server")
+    st_sub.add_parser("status", help="what runs, and where")
+    for p_ in st_sub.choices.values():
+        p_.set_defaults(fn=cmd_stack)
     return p
 
 

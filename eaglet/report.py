@@ -24,23 +24,73 @@ def _stats(path: str) -> dict:
     return json.loads(f.read_text()) if f.is_file() else {}
 
 
+def _leaves(cfg: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in cfg.items():
+        if isinstance(v, dict):
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_difference(nested: dict, flat: dict) -> list[dict]:
+    """Each key of the flat config (what vLLM reads) beside where speculators' nested config has it: the same
+    key at some depth (`path`), or nowhere (derived by the converter from the weights or the verifier)."""
+    by_leaf: dict[str, list[tuple[str, object]]] = {}
+    for path, value in _leaves(nested).items():
+        by_leaf.setdefault(path.rsplit(".", 1)[-1], []).append((path, value))
+    rows = []
+    for key, value in flat.items():
+        if isinstance(value, dict):
+            continue
+        found = by_leaf.get(key, [])
+        same = [p for p, v in found if v == value]
+        if same:
+            rows.append({"key": key, "flat": value, "nested_path": same[0], "nested": value, "change": "moved"
+                         if same[0] != key else "same"})
+        elif found:
+            rows.append({"key": key, "flat": value, "nested_path": found[0][0], "nested": found[0][1],
+                         "change": "changed"})
+        else:
+            rows.append({"key": key, "flat": value, "nested_path": None, "nested": None, "change": "added"})
+    sources = {r["nested_path"].split(".")[0] for r in rows if r["nested_path"]}
+    for key, value in nested.items():
+        if key not in flat and key not in sources:
+            rows.append({"key": None, "flat": None, "nested_path": key, "nested": value, "change": "dropped"})
+    return rows
+
+
+def _short(v: object) -> str:
+    text = json.dumps(v)
+    return text if len(text) <= 48 else text[:45] + "..."
+
+
 def render_markdown(report: dict) -> str:
     v = report["verifier"]
+    tasks = report["tasks"]
+    cached = [n for n, t in tasks.items() if t["state"] == "Cached"]
     lines = [
         "# eaglet run report",
         "",
-        f"- verifier: `{v['path']}` (fingerprint `{v['fingerprint']}`, {v['num_layers']} layers, "
-        f"aux ids {v['aux_layer_ids']})",
+        f"- verifier: `{v['path']}` ({v['model_type']}, fingerprint `{v['fingerprint']}`, {v['num_layers']} layers, "
+        f"hidden {v['hidden_size']}, aux ids {v['aux_layer_ids']})",
+        f"- data: {report.get('data_summary') or report['artifacts']['data']}",
         f"- flat draft (vLLM): `{report['draft_dir']}`",
         f"- speculators checkpoint: `{report['speculators_dir']}`",
-        f"- verifier weight loads in this run: {report['verifier_loads']}",
+        f"- verifier weight loads in this run: {report['verifier_loads']}; cache hits: {len(cached)} of "
+        f"{len(tasks)} tasks" + (f" ({', '.join(cached)})" if cached else ""),
         "",
-        "## Stages",
+        "## Tasks",
         "",
         "| task | state | seconds |",
         "|---|---|---:|",
     ]
-    lines += [f"| {name} | {t['state']} | {t['seconds']:.1f} |" for name, t in report["tasks"].items()]
+    lines += [f"| {name} | {t['state']} | {t['seconds']:.1f} |" for name, t in tasks.items()]
+    lines.append(f"| **total** | | **{sum(t['seconds'] for t in tasks.values()):.1f}** |")
+    plots = report.get("plots") or {}
+    if plots.get("training"):
+        lines += ["", "## Training", "", f"![training loss and accuracy per TTT step]({plots['training']})"]
     s = report.get("smoke")
     if s:
         lines += [
@@ -48,13 +98,52 @@ def render_markdown(report: dict) -> str:
             "## vLLM smoke test",
             "",
             f"- k = {s['num_speculative_tokens']}, {s['num_prompts']} held-out prompts, greedy",
-            f"- mean acceptance length: **{s['mean_acceptance_length']:.3f}** (1 + accepted / drafts)",
+            f"- mean acceptance length: **{s['mean_acceptance_length']:.3f}** (1 + accepted / drafts; at most "
+            f"{s['num_speculative_tokens'] + 1})",
             "- acceptance per position: " + ", ".join(f"{a:.3f}" for a in s["acceptance_per_position"]),
             f"- lossless (identical outputs with and without the draft): {s['lossless']}",
             f"- tokens/s without draft {s['tokens_per_s_without_draft']:.0f}, with draft "
             f"{s['tokens_per_s_with_draft']:.0f} (batched, vLLM)",
         ]
+        if plots.get("acceptance"):
+            lines += ["", f"![acceptance per position]({plots['acceptance']})"]
+    diff = report.get("config_difference")
+    if diff:
+        moved = [r["key"] for r in diff if r["change"] == "moved"]
+        same = [r["key"] for r in diff if r["change"] == "same"]
+        lines += [
+            "",
+            "## Config: speculators' nested form vs the flat form vLLM loads",
+            "",
+            f"- {len(moved)} keys moved unchanged from the nested `transformer_layer_config` (or deeper) to the "
+            f"top level; {len(same)} kept their place and value.",
+            "",
+            "| flat key | flat value | nested key | nested value |",
+            "|---|---|---|---|",
+        ]
+        for r in diff:
+            if r["change"] == "changed":
+                lines.append(f"| `{r['key']}` | `{_short(r['flat'])}` | `{r['nested_path']}` | `{_short(r['nested'])}` |")
+            elif r["change"] == "added":
+                lines.append(f"| `{r['key']}` | `{_short(r['flat'])}` | (added by the converter) | |")
+            elif r["change"] == "dropped":
+                lines.append(f"| (not in the flat form) | | `{r['nested_path']}` | `{_short(r['nested'])}` |")
     return "\n".join(lines) + "\n"
+
+
+def make_plots(out: Path, checkpoint_dir: str, smoke: dict | None) -> dict[str, str]:
+    """PNG files beside the report; returns their names (the report links them relatively)."""
+    from eaglet.plots import acceptance_per_position, training_curves
+    from eaglet.train import read_metrics
+
+    plots = {}
+    if training_curves(read_metrics(Path(checkpoint_dir)), out / "training.png"):
+        plots["training"] = "training.png"
+    if smoke:
+        acceptance_per_position(smoke["acceptance_per_position"], smoke["mean_acceptance_length"],
+                                smoke["num_speculative_tokens"], out / "acceptance.png")
+        plots["acceptance"] = "acceptance.png"
+    return plots
 
 
 def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: dict, artifacts: dict[str, str],
@@ -75,7 +164,12 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
         "vocab": _stats(artifacts["vocab"]),
         "params": params.model_dump(),
         "smoke": smoke,
+        "config_difference": config_difference(json.loads((spec / "config.json").read_text()),
+                                               json.loads((draft / "config.json").read_text())),
+        "plots": make_plots(out, artifacts["checkpoint"], smoke),
     }
+    lines = {n: sum(1 for _ in open(Path(artifacts["data"]) / f"{n}.jsonl")) for n in ("train", "eval")}
+    report["data_summary"] = f"{lines['train']} training and {lines['eval']} held-out conversations"
     tmp = out / "report.json.tmp"
     tmp.write_text(json.dumps(report, indent=2))
     tmp.replace(out / "report.json")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import shutil
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -250,14 +252,64 @@ def last_checkpoint(save_path: Path) -> Path:
     return epochs[-1]
 
 
-def train_draft(argv: list[str]) -> None:
+class MetricsRecorder(logging.Handler):
+    """speculators logs its metrics as dicts on `speculators.metrics`: after every training step
+    {"train": {loss_i, full_acc_i, cond_acc_i per TTT step i}, "epoch", "global_step", ...} and after every
+    epoch {"val": {..._epoch}, "epoch"}. Each becomes one line of METRICS_FILE ({"kind", "epoch", "step",
+    "metrics"}) and a call of on_metrics. It sits on the root logger because speculators' dictConfig replaces
+    the handlers of its own loggers."""
+
+    def __init__(self, path: Path, on_metrics: Callable[[dict], None] | None = None):
+        super().__init__()
+        self.file = open(path, "a")
+        self.on_metrics = on_metrics
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.msg
+        if record.name != "speculators.metrics" or not isinstance(msg, Mapping) or getattr(record, "hparams", False):
+            return
+        kind = "train" if "train" in msg else "val" if "val" in msg else None
+        if kind is None:
+            return
+        row = {"kind": kind, "epoch": msg.get("epoch"), "step": msg.get("global_step", getattr(record, "step", None)),
+               "metrics": {k: float(v) for k, v in msg[kind].items()}}
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.on_metrics:
+            self.on_metrics(row)
+
+    def close(self) -> None:
+        self.file.close()
+        super().close()
+
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(path: Path) -> list[dict]:
+    f = path / METRICS_FILE if path.is_dir() else path
+    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()] if f.is_file() else []
+
+
+def train_draft(argv: list[str], metrics_file: Path | None = None,
+                on_metrics: Callable[[dict], None] | None = None) -> None:
+    """Run speculators' training; its metrics are appended to metrics_file (a resumed run continues it)."""
     from speculators.train.cli import main
     from speculators.train.config import TrainConfig
 
     cfg = TrainConfig.resolve(argv)
-    with lossless_checkpoints(), keep_log_handlers():
-        if on_accelerator():
-            main(cfg)
-        else:
-            with cpu_patches():
+    recorder = MetricsRecorder(metrics_file, on_metrics) if metrics_file else None
+    root = logging.getLogger()
+    if recorder:
+        root.addHandler(recorder)
+    try:
+        with lossless_checkpoints(), keep_log_handlers():
+            if on_accelerator():
                 main(cfg)
+            else:
+                with cpu_patches():
+                    main(cfg)
+    finally:
+        if recorder:
+            root.removeHandler(recorder)
+            recorder.close()

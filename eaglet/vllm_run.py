@@ -30,7 +30,7 @@ def vllm_env() -> dict[str, str]:
 
 
 def run_vllm_job(job: dict, timeout: float | None = None, progress=None) -> dict:
-    """progress: called with each progress line of the child (e.g. a Prefect logger's info)."""
+    """progress(done, total, tokens_per_s): called after each chunk of conversations the child finished."""
     from eaglet.vllm_worker import PROGRESS
 
     with tempfile.TemporaryDirectory(prefix="eaglet-vllm-") as tmp:
@@ -47,7 +47,11 @@ def run_vllm_job(job: dict, timeout: float | None = None, progress=None) -> dict
             line = line.rstrip()
             tail.append(line)
             if line.startswith(PROGRESS):
-                (progress or log.info)(line[len(PROGRESS):].strip())
+                p = json.loads(line[len(PROGRESS):])
+                if progress:
+                    progress(p["done"], p["total"], p["tokens_per_s"])
+                else:
+                    log.info(f"{p['done']}/{p['total']} conversations, {p['tokens_per_s']:.0f} tokens/s")
             else:
                 log.debug(line)
         rc = proc.wait(timeout=timeout)

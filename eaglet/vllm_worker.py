@@ -75,8 +75,8 @@ def run(job: dict) -> dict:
         new = llm.chat(convs[start : start + chunk], params, use_tqdm=False)
         outputs += new
         done += sum(len(c.token_ids) for o in new for c in o.outputs)
-        print(f"{PROGRESS} {len(outputs)}/{len(convs)} conversations, {done} tokens, "
-              f"{done / (time.perf_counter() - t0):.0f} tokens/s", flush=True)
+        print(PROGRESS, json.dumps({"done": len(outputs), "total": len(convs), "tokens": done,
+                                    "tokens_per_s": done / (time.perf_counter() - t0)}), flush=True)
     seconds = time.perf_counter() - t0
     after = _counters(llm)
     texts = [[c.text for c in o.outputs] for o in outputs]

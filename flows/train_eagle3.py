@@ -14,6 +14,7 @@ from eaglet.data import DEFAULT_PROMPTS
 from eaglet.report import write_outputs
 from eaglet.store import built_by_this_process_since, in_use, is_published
 from tasks import stages
+from tasks.report import publish_report
 
 DATA_STAGES = ("regenerate-responses", "extract-hidden-states")  # the stages that load verifier weights
 
@@ -68,5 +69,6 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
         if params.data.regenerate:
             artifacts["responses"] = conversations_dir
         report = write_outputs(Path(output_dir), params, verifier, t, artifacts, verifier_loads, smoke)
+        publish_report(str(Path(output_dir).resolve()))  # the report, tables, plots and links in the UI
     log.info(f"draft written to {report['draft_dir']}; report at {Path(output_dir) / 'report.md'}")
     return report

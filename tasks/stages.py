@@ -11,7 +11,6 @@ import shutil
 from pathlib import Path
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
 
 import eaglet
 from eaglet import data as data_mod
@@ -19,6 +18,7 @@ from eaglet import store
 from eaglet.config import RunConfig
 from eaglet.errors import EagletError
 from eaglet.verifier import VerifierInfo
+from tasks.progress import Progress
 
 
 def _key(kind: str, **inputs) -> str:
@@ -141,9 +141,11 @@ def regenerate_responses(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) 
     d = cfg.data
 
     def build(tmp: Path) -> None:
+        progress = Progress("regeneration", "regenerating responses", "conversations")
         stats = regen(verifier.path, Path(data_dir) / "train.jsonl", tmp / "train.jsonl", d.max_new_tokens,
                       max_model_len=d.max_seq_len + d.max_new_tokens, temperature=d.temperature,
-                      responses_per_prompt=d.responses_per_prompt, seed=d.seed, progress=get_run_logger().info)
+                      responses_per_prompt=d.responses_per_prompt, seed=d.seed, progress=progress)
+        progress.close()
         (tmp / "stats.json").write_text(json.dumps(stats))
         get_run_logger().info(f"regenerated {stats['output_tokens']} tokens at {stats['tokens_per_s']:.0f} tokens/s")
 
@@ -180,13 +182,11 @@ def extract_hidden_states(verifier: VerifierInfo, conversations_dir: str, cfg: R
         e = e.model_copy(update={"batch_size": max(1, e.batch_size // 2 ** (attempt - 1))})
         log.warning(f"attempt {attempt} after running out of memory: batch size {e.batch_size}")
 
-    def progress(done: int, total: int, tps: float) -> None:
-        if done == total or done % max(1, total // 10) == 0:  # about every 10%
-            log.info(f"extracted shard {done}/{total}, {tps:.0f} tokens/s")
-
     def build(work: Path) -> None:
+        progress = Progress("extraction", "extracting hidden states", "shards")
         stats = extract(verifier.path, Path(conversations_dir) / "train.jsonl", work, verifier.aux_layer_ids,
                         cfg.data.max_seq_len, e.batch_size, e.dtype, e.device, verifier.trust_remote_code, progress)
+        progress.close()
         (work / "stats.json").write_text(json.dumps(stats))
         if stats["resumed_shards"]:
             log.info(f"resumed: {stats['resumed_shards']} of {stats['shards']} shards were already extracted")
@@ -225,10 +225,33 @@ def training_key(verifier: VerifierInfo, states_dir: str, vocab_dir: str, cfg: R
                 speculators=version("speculators"))
 
 
+def _training_monitor(log, progress: Progress, epochs: int):
+    """speculators' metrics into the run log (every 10th step, every epoch's validation) and the progress bar."""
+    steps_per_epoch: dict[int, int] = {}
+
+    def short(metrics: dict) -> str:
+        return ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith(("loss", "full_acc")))
+
+    def on_metrics(row: dict) -> None:
+        epoch = row["epoch"] or 0
+        if row["kind"] == "val":
+            log.info(f"epoch {epoch} validation: {short(row['metrics'])}")
+            progress(epoch + 1, epochs)
+            return
+        steps_per_epoch[epoch] = steps_per_epoch.get(epoch, 0) + 1
+        n = steps_per_epoch[epoch]
+        if n % 10 == 1:
+            log.info(f"epoch {epoch} step {row['step']}: {short(row['metrics'])}")
+        per_epoch = steps_per_epoch.get(epoch - 1)
+        if per_epoch:  # known after the first epoch
+            progress(epoch + min(n / per_epoch, 0.99), epochs)
+    return on_metrics
+
+
 @task(name="train-draft", cache_key_fn=_cache_key("draft_ckpt", training_key), persist_result=True)
 def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, cfg: RunConfig) -> str:
     """Train with speculators; the artifact is the final epoch's checkpoint (nested speculators format)."""
-    from eaglet.train import (discard_incomplete_checkpoints, last_checkpoint, speculators_argv,
+    from eaglet.train import (METRICS_FILE, discard_incomplete_checkpoints, last_checkpoint, speculators_argv,
                               train_draft as train, write_final_draft)
 
     log = get_run_logger()
@@ -248,7 +271,9 @@ def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, cfg: Ru
                                 draft_config=layer_config, multimodal=verifier.nested_text_config,
                                 states_dtype=cfg.extraction.dtype)
         (work_dir / "speculators_train_argv.json").write_text(json.dumps(argv))
-        train(argv)
+        progress = Progress("training", "training the draft", "epochs")
+        train(argv, work_dir / METRICS_FILE, _training_monitor(log, progress, cfg.training.epochs))
+        progress.close()
         write_final_draft(last_checkpoint(work), work_dir)  # the top level is the draft; checkpoints/ keeps every epoch
 
     with store.in_use(states_dir, vocab_dir):
@@ -307,9 +332,5 @@ def smoke_test(verifier: VerifierInfo, draft_dir: str, data_dir: str, cfg: RunCo
     get_run_logger().info(
         f"mean acceptance length {result.mean_acceptance_length:.3f} at k={s.num_speculative_tokens}, "
         f"lossless={result.lossless}"
-    )
-    create_markdown_artifact(
-        key="smoke", description="vLLM smoke-load",
-        markdown="\n".join(f"- **{k}**: {v}" for k, v in result.model_dump().items()),
     )
     return result.model_dump()

@@ -1,0 +1,71 @@
+"""PNG plots for the run report: training loss and accuracy per TTT step, acceptance per draft position."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on servers and workers
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _ttt_steps(rows: list[dict], prefix: str) -> list[int]:
+    steps = set()
+    for r in rows:
+        for k in r["metrics"]:
+            tail = k.removeprefix(prefix + "_").removesuffix("_epoch")
+            if k.startswith(prefix + "_") and tail.isdigit():
+                steps.add(int(tail))
+    return sorted(steps)
+
+
+def training_curves(metrics: list[dict], out: Path) -> Path | None:
+    """metrics: eaglet.train.read_metrics rows. Left: training loss per step for each TTT step (validation
+    loss per epoch as markers); right: validation full accuracy per epoch for each TTT step."""
+    last: dict[tuple, dict] = {}
+    for r in metrics:  # a resumed run logs the redone steps again: the last record wins
+        last[(r["kind"], r["step"] if r["kind"] == "train" else r["epoch"])] = r
+    train = sorted((r for r in last.values() if r["kind"] == "train"), key=lambda r: r["step"])
+    val = sorted((r for r in last.values() if r["kind"] == "val"), key=lambda r: r["epoch"])
+    if not train and not val:
+        return None
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=90)
+    steps_per_epoch = max(1, len(train) // max(1, len(val))) if val else 1
+    for i in _ttt_steps(train + val, "loss"):
+        line, = ax_loss.plot([r["step"] for r in train], [r["metrics"].get(f"loss_{i}") for r in train],
+                             lw=0.8, alpha=0.8, label=f"TTT step {i}")
+        ax_loss.plot([(r["epoch"] + 1) * steps_per_epoch for r in val],
+                     [r["metrics"].get(f"loss_{i}_epoch") for r in val], "o", color=line.get_color())
+    for i in _ttt_steps(val or train, "full_acc"):
+        if val:
+            ax_acc.plot([r["epoch"] for r in val], [r["metrics"].get(f"full_acc_{i}_epoch") for r in val],
+                        "o-", label=f"TTT step {i}")
+        else:
+            ax_acc.plot([r["step"] for r in train], [r["metrics"].get(f"full_acc_{i}") for r in train],
+                        lw=0.8, label=f"TTT step {i}")
+    ax_loss.set(title="loss (lines: training steps, dots: validation)", xlabel="step", ylabel="loss")
+    ax_acc.set(title="validation accuracy" if val else "training accuracy", xlabel="epoch" if val else "step",
+               ylabel="full accuracy", ylim=(0, 1))
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def acceptance_per_position(per_position: list[float], mean_length: float, k: int, out: Path) -> Path:
+    """Fraction of drafts whose token at position i was accepted (vLLM's per-position counters)."""
+    fig, ax = plt.subplots(figsize=(5, 3.4), dpi=90)
+    positions = list(range(1, len(per_position) + 1))
+    bars = ax.bar(positions, per_position, color="#3b7dd8")
+    ax.bar_label(bars, fmt="%.3f", fontsize=8)
+    ax.set(title=f"acceptance per position (k={k}, mean length {mean_length:.3f})", xlabel="draft position",
+           ylabel="accepted / drafts", ylim=(0, 1), xticks=positions)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -1,0 +1,50 @@
+"""What a run shows in the Prefect UI: the report (markdown, plots inline), acceptance per position (table),
+and links to the flat draft and the plots. Written by every run, cached or not, from DIR/report.json."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from pathlib import Path
+
+from prefect import task
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+
+
+def _inline_images(markdown: str, out: Path) -> str:
+    """The UI cannot read files on the worker's disk: a PNG the report links becomes a data URI."""
+    def inline(m: re.Match) -> str:
+        png = out / m.group(2)
+        if not png.is_file():
+            return m.group(0)
+        return f"![{m.group(1)}](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})"
+    return re.sub(r"!\[([^\]]*)\]\(([^):]+\.png)\)", inline, markdown)
+
+
+@task(name="publish-report")
+def publish_report(output_dir: str) -> list[str]:
+    """Returns the keys of the artifacts it created."""
+    out = Path(output_dir)
+    report = json.loads((out / "report.json").read_text())
+    keys = ["eaglet-report"]
+    create_markdown_artifact(key="eaglet-report", markdown=_inline_images((out / "report.md").read_text(), out),
+                             description=f"train-eagle3 report ({out / 'report.md'})")
+    smoke = report.get("smoke")
+    if smoke:
+        create_table_artifact(
+            key="acceptance-per-position",
+            table=[{"position": i + 1, "acceptance": round(a, 4), "accepted": round(a * smoke["drafts"]),
+                    "drafts": smoke["drafts"]} for i, a in enumerate(smoke["acceptance_per_position"])],
+            description=f"vLLM, k={smoke['num_speculative_tokens']}, {smoke['num_prompts']} held-out prompts: "
+                        f"mean acceptance length {smoke['mean_acceptance_length']:.3f}",
+        )
+        keys.append("acceptance-per-position")
+    create_link_artifact(key="flat-draft", link=Path(report["draft_dir"]).as_uri(), link_text=report["draft_dir"],
+                         description="the flat LlamaForCausalLMEagle3 draft vLLM loads")
+    keys.append("flat-draft")
+    for name, file in (report.get("plots") or {}).items():
+        create_link_artifact(key=f"plot-{name}", link=(out / file).resolve().as_uri(), link_text=file,
+                             description=f"{name} plot (PNG, also inline in the report)")
+        keys.append(f"plot-{name}")
+    return keys
