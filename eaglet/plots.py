@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on servers and workers
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
 
 def _ttt_steps(rows: list[dict], prefix: str) -> list[int]:
@@ -31,12 +32,15 @@ def training_curves(metrics: list[dict], out: Path) -> Path | None:
     if not train and not val:
         return None
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=90)
-    steps_per_epoch = max(1, len(train) // max(1, len(val))) if val else 1
+    epoch_end = {}  # validation runs after an epoch's last step: plot it there
+    for r in train:
+        epoch_end[r["epoch"]] = max(epoch_end.get(r["epoch"], 0), r["step"])
+    val_at = [r for r in val if r["epoch"] in epoch_end]
     for i in _ttt_steps(train + val, "loss"):
         line, = ax_loss.plot([r["step"] for r in train], [r["metrics"].get(f"loss_{i}") for r in train],
                              lw=0.8, alpha=0.8, label=f"TTT step {i}")
-        ax_loss.plot([(r["epoch"] + 1) * steps_per_epoch for r in val],
-                     [r["metrics"].get(f"loss_{i}_epoch") for r in val], "o", color=line.get_color())
+        ax_loss.plot([epoch_end[r["epoch"]] for r in val_at], [r["metrics"].get(f"loss_{i}_epoch") for r in val_at],
+                     "o", color=line.get_color())
     for i in _ttt_steps(val or train, "full_acc"):
         if val:
             ax_acc.plot([r["epoch"] for r in val], [r["metrics"].get(f"full_acc_{i}_epoch") for r in val],
@@ -47,6 +51,8 @@ def training_curves(metrics: list[dict], out: Path) -> Path | None:
     ax_loss.set(title="loss (lines: training steps, dots: validation)", xlabel="step", ylabel="loss")
     ax_acc.set(title="validation accuracy" if val else "training accuracy", xlabel="epoch" if val else "step",
                ylabel="full accuracy", ylim=(0, 1))
+    if val:
+        ax_acc.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -10,6 +10,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# Debian's headless Chromium, for the test that opens the Prefect UI's run form (tests/test_stack.py).
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  echo "setup: installing chromium (Debian package) for the UI test"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+     chromium fonts-liberation) > /tmp/eaglet-apt.log 2>&1 \
+    || echo "setup: could not install chromium (see /tmp/eaglet-apt.log)"
+fi
 stamp=.venv/.installed-$(cat requirements.lock pyproject.toml | sha256sum | cut -c1-16)
 if [ -f "$stamp" ]; then
   echo "setup: .venv is up to date"
