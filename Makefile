@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 OUT ?= out/demo
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast stack-up stack-down clean
 
 setup:
 	bash scripts/setup.sh
@@ -15,6 +15,12 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not e2e"
+
+stack-up: setup  # Prefect server on 127.0.0.1:4200 + work pool + prefect.yaml's deployments + a worker
+	$(PY) -m deployments.cli stack up
+
+stack-down:
+	$(PY) -m deployments.cli stack down
 
 clean:
 	rm -rf out .pytest_cache

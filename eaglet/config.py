@@ -40,7 +40,7 @@ class DataParams(_Section):
     )
     max_seq_len: int = Field(1024, ge=16, le=131072, description="Tokens per sample after the chat template.")
     num_eval: int = Field(40, ge=1, le=100000, description="Rows held out for evaluation (smoke prompts).")
-    max_samples: int | None = Field(None, ge=1, description="Use at most this many training rows.")
+    max_samples: int | None = Field(None, ge=1, le=100_000_000, description="Use at most this many training rows.")
     regenerate: bool = Field(
         True, description="Answer every prompt with the verifier (vLLM) so the draft learns its own outputs."
     )
@@ -49,7 +49,7 @@ class DataParams(_Section):
     )
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="Regeneration temperature (0 = greedy).")
     responses_per_prompt: int = Field(1, ge=1, le=16, description="Responses sampled per prompt.")
-    seed: int = Field(0, description="Seed for the split and sampling.")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for the split and sampling.")
 
 
 class ExtractionParams(_Section):
@@ -57,11 +57,11 @@ class ExtractionParams(_Section):
     dtype: Literal["bfloat16", "float32", "fp8"] = Field(
         "bfloat16", description="Stored hidden-state dtype. fp8: e4m3 with one float32 scale per token "
         "(hs-connectors' format, read by speculators' fp8 backend), about half the bytes of bfloat16.")
-    device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="'auto', 'cpu', 'cuda' or 'cuda:N'.")
 
 
 class DraftParams(_Section):
-    draft_vocab_size: int = Field(4096, ge=16, description="Tokens the draft can propose (top by frequency).")
+    draft_vocab_size: int = Field(4096, ge=16, le=1_048_576, description="Tokens the draft can propose (top by frequency).")
     norm_before_residual: bool = Field(True, description="speculators' eagle3 norm_before_residual flag.")
     norm_before_fc: bool = Field(True, description="Normalise the aux hidden states before fc.")
     norm_output: bool = Field(True, description="Apply the final norm to the draft's output states.")
@@ -78,10 +78,10 @@ class TrainingParams(_Section):
         "muon", description="speculators optimizer: Muon on 2D weights + AdamW on the rest, or AdamW."
     )
     scheduler: Literal["linear", "cosine", "none"] = Field("cosine", description="LR schedule after warm-up.")
-    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
+    warmup_steps: int = Field(20, ge=0, le=1_000_000, description="Linear warm-up steps.")
     ttt_steps: int = Field(3, ge=1, le=8, description="Test-time-training steps (positions trained).")
-    total_seq_len: int = Field(1024, ge=64, description="Tokens packed per training batch.")
-    seed: int = Field(0, description="Training seed.")
+    total_seq_len: int = Field(1024, ge=64, le=1_048_576, description="Tokens packed per training batch.")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Training seed.")
     cpu_dtype: Literal["bfloat16", "float32"] = Field(
         "bfloat16", description="Autocast dtype when training on CPU (GPUs always use bfloat16)."
     )

@@ -105,6 +105,13 @@ def test_ci_deployment_runs_on_the_worker_and_reruns_from_cache(stack, tiny_veri
     assert [s["schedule"]["cron"] for s in nightly["schedules"]] == ["0 2 * * *"]
     assert nightly["global_concurrency_limit"]["limit"] == 1
 
+    # The server checks parameters against RunConfig's schema before a run exists.
+    bad = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", "train-eagle3/ci",
+                          "--param", 'params={"training": {"epochs": 0}}'],
+                         cwd=ROOT, env=stack["env"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "epochs" in bad.stdout + bad.stderr, bad.stdout + bad.stderr
+    assert _api(stack["api"], "/flow_runs/filter", {}) == []
+
     params = json.loads(json.dumps(CI_PARAMS))
     params["verifier"]["path"] = str(tiny_verifier)
     first, first_id = _deployment_run(stack, params, tmp_path / "run1")
