@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 OUT ?= out/demo
 
-.PHONY: setup demo test test-fast stack-up stack-down clean
+.PHONY: setup demo test test-fast bench stack-up stack-down clean
 
 setup:
 	bash scripts/setup.sh
@@ -15,6 +15,9 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not e2e"
+
+bench: setup  # every stage against its limit: bench/results/<date>-full.{json,md} (about 20 min on 2 cores)
+	$(PY) -m bench.run --preset full
 
 stack-up: setup  # Prefect server on 127.0.0.1:4200 + work pool + prefect.yaml's deployments + a worker
 	$(PY) -m deployments.cli stack up

@@ -125,6 +125,7 @@ def extract_hidden_states(
     for count, n in enumerate(todo, 1):
         if model is None:
             model = load_verifier(verifier_path, resolve_device(device), trust_remote_code)
+            t0 = time.perf_counter()  # tokens/s measures extraction, not the load
             pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         idx = shards[n]
         try:

@@ -158,7 +158,8 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
         "speculators_dir": str(spec),
         "artifacts": artifacts,
         "verifier_loads": verifier_loads,
-        "tasks": {name: {"state": t["state"], "seconds": t["seconds"]} for name, t in tasks.items()},
+        "tasks": {name: {"state": t["state"], "seconds": t["seconds"], "started": t["started"]}
+                  for name, t in tasks.items()},
         "regeneration": _stats(artifacts["responses"]) if "responses" in artifacts else None,
         "extraction": _stats(artifacts["hidden_states"]),
         "vocab": _stats(artifacts["vocab"]),

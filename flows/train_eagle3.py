@@ -22,10 +22,11 @@ DATA_STAGES = ("regenerate-responses", "extract-hidden-states")  # the stages th
 def _run(timings: dict, held: contextlib.ExitStack, name: str, task, *args):
     """Call a task, record its final state and wall time, and return its result. An artifact it returns stays
     marked in use until the flow ends, so `eaglet cache gc` cannot delete it between two tasks."""
-    t0 = time.perf_counter()
+    started, t0 = time.time(), time.perf_counter()
     state = task(*args, return_state=True)
     result = state.result()  # raises the task's exception if it failed
-    timings[name] = {"state": state.name, "seconds": round(time.perf_counter() - t0, 2), "result": result}
+    timings[name] = {"state": state.name, "seconds": round(time.perf_counter() - t0, 2), "started": started,
+                     "result": result}
     if isinstance(result, str) and is_published(Path(result)):
         held.enter_context(in_use(result))
     return result
