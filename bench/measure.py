@@ -118,7 +118,7 @@ def stages(home: Path, verifier_path: str, conversations_dir: str, cfg, repeats:
     from prefect import flow
 
     from eaglet.extract import load_verifier
-    from eaglet.train import cpu_patches, on_accelerator, speculators_argv
+    from eaglet.train import speculators_argv
     from eaglet.verifier import resolve_verifier
     from tasks import stages as t
 
@@ -153,9 +153,9 @@ def stages(home: Path, verifier_path: str, conversations_dir: str, cfg, repeats:
             t.train_draft.with_options(refresh_cache=True)(info, states0, vocab, cfg)
             training["pipeline_s"].append(time.perf_counter() - t0)
             training["direct_s"].append(_speculators_direct(
-                speculators_argv(info.path, Path(states0), Path(vocab), home / f"direct{r}", info.aux_layer_ids,
-                                 cfg.draft.draft_vocab_size, cfg.draft, cfg.training, False),
-                cpu_patches if not on_accelerator() else None))
+                speculators_argv(info.path, Path(states0), Path(vocab), home / f"direct{r}" / "checkpoints",
+                                 info.aux_layer_ids, cfg.draft.draft_vocab_size, cfg.draft, cfg.training, False),
+                home / f"direct{r}"))
 
         fresh_store("fp8")
         fp8 = t.extract_hidden_states.with_options(refresh_cache=True)(
@@ -168,19 +168,16 @@ def stages(home: Path, verifier_path: str, conversations_dir: str, cfg, repeats:
     return bench_stages()
 
 
-def _speculators_direct(argv: list[str], patches) -> float:
-    """speculators' own `train` entry point (`speculators.train.cli.main` on its `TrainConfig`), with nothing of
-    eaglet around it except, on CPU, the three accelerator calls it cannot run without."""
-    import contextlib
-
-    from speculators.train.cli import main
-    from speculators.train.config import TrainConfig
-
-    cfg = TrainConfig.resolve(argv)
-    t0 = time.perf_counter()
-    with patches() if patches else contextlib.nullcontext():
-        main(cfg)
-    return time.perf_counter() - t0
+def _speculators_direct(argv: list[str], work: Path) -> float:
+    """speculators' training in its own process (see bench/speculators_direct.py): no Prefect logging handlers
+    around it, which is how a user runs speculators by hand."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "argv.json").write_text(json.dumps(argv))
+    proc = subprocess.run([sys.executable, "-m", "bench.speculators_direct", str(work / "argv.json")], cwd=ROOT,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"speculators training failed: {proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])["seconds"]
 
 
 def _bytes_per_token(states: Path, stats: dict) -> dict:
