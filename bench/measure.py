@@ -147,15 +147,13 @@ def stages(home: Path, verifier_path: str, conversations_dir: str, cfg, repeats:
         fresh_store("x0")
         vocab = t.build_vocab(info, states0, cfg)
         training = {"pipeline_s": [], "direct_s": [], "tokens": stats0["tokens"] * cfg.training.epochs}
-        for r in range(repeats):
-            fresh_store(f"t{r}")
-            t0 = time.perf_counter()
-            t.train_draft.with_options(refresh_cache=True)(info, states0, vocab, cfg)
-            training["pipeline_s"].append(time.perf_counter() - t0)
-            training["direct_s"].append(_speculators_direct(
-                speculators_argv(info.path, Path(states0), Path(vocab), home / f"direct{r}" / "checkpoints",
-                                 info.aux_layer_ids, cfg.draft.draft_vocab_size, cfg.draft, cfg.training, False),
-                home / f"direct{r}"))
+        for r in range(repeats):  # alternating, each in a fresh process
+            training["pipeline_s"].append(_train_once("pipeline", {
+                "store": str(home / f"t{r}"), "verifier": info.model_dump(), "cfg": cfg.model_dump(),
+                "states": states0, "vocab": vocab}, home / f"pipeline{r}"))
+            training["direct_s"].append(_train_once("direct", {"argv": speculators_argv(
+                info.path, Path(states0), Path(vocab), home / f"direct{r}" / "checkpoints", info.aux_layer_ids,
+                cfg.draft.draft_vocab_size, cfg.draft, cfg.training, False)}, home / f"direct{r}"))
 
         fresh_store("fp8")
         fp8 = t.extract_hidden_states.with_options(refresh_cache=True)(
@@ -168,15 +166,14 @@ def stages(home: Path, verifier_path: str, conversations_dir: str, cfg, repeats:
     return bench_stages()
 
 
-def _speculators_direct(argv: list[str], work: Path) -> float:
-    """speculators' training in its own process (see bench/speculators_direct.py): no Prefect logging handlers
-    around it, which is how a user runs speculators by hand."""
+def _train_once(mode: str, spec: dict, work: Path) -> float:
+    """One timed training run in a fresh process (bench/train_once.py), so both sides start alike."""
     work.mkdir(parents=True, exist_ok=True)
-    (work / "argv.json").write_text(json.dumps(argv))
-    proc = subprocess.run([sys.executable, "-m", "bench.speculators_direct", str(work / "argv.json")], cwd=ROOT,
+    (work / "spec.json").write_text(json.dumps(spec, default=str))
+    proc = subprocess.run([sys.executable, "-m", "bench.train_once", mode, str(work / "spec.json")], cwd=ROOT,
                           capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"speculators training failed: {proc.stderr[-3000:]}")
+        raise RuntimeError(f"{mode} training failed: {proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])["seconds"]
 
 

@@ -76,7 +76,7 @@ def run(preset: str, verifier: str | None, draft: str | None, home: Path) -> dic
     from eaglet.config import load_config
 
     cfg = load_config(None, sets)
-    os.environ.update({"PREFECT_HOME": str(home / "prefect"),
+    os.environ.update({"PREFECT_HOME": str(home / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                        "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "prefect-results")})
     os.environ.pop("PREFECT_API_URL", None)
     st = measure.stages(home, verifier_path, responses, cfg, p["repeats"])

@@ -57,6 +57,12 @@ class ExtractionParams(_Section):
     dtype: Literal["bfloat16", "float32", "fp8"] = Field(
         "bfloat16", description="Stored hidden-state dtype. fp8: e4m3 with one float32 scale per token "
         "(hs-connectors' format, read by speculators' fp8 backend), about half the bytes of bfloat16.")
+    workers: int = Field(
+        1, ge=1, le=4096, description="Worker processes that share the shards (a local Dask cluster when > 1); "
+        "each loads the verifier once. The artifact is the same for any number.")
+    scheduler_address: str | None = Field(
+        None, description="An existing Dask cluster's scheduler (e.g. tcp://10.0.0.5:8786) to spread the shards "
+        "over its workers, which must see the verifier and the artifact store. Empty: this machine.")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="'auto', 'cpu', 'cuda' or 'cuda:N'.")
 
 

@@ -99,6 +99,8 @@ def extract_hidden_states(
     device: str = "auto",
     trust_remote_code: bool = False,
     progress=None,
+    workers: int = 1,
+    scheduler: str | None = None,
 ) -> dict:
     """Tokenize the conversations, run the verifier, and write everything speculators' trainer reads.
 
@@ -107,6 +109,9 @@ def extract_hidden_states(
     same `out` keeps the shards whose records and files agree and recomputes the rest, so a kill -9 costs at
     most the shard in flight and the result is byte-identical to an uninterrupted run. The verifier is loaded
     only if a shard is left to do.
+
+    workers > 1 or a Dask scheduler address: the shards left are spread over a Dask cluster (eaglet.distributed),
+    each worker loading the verifier once; the files are the same.
     """
     from transformers import AutoTokenizer
 
@@ -120,32 +125,33 @@ def extract_hidden_states(
     shards = [order[b : b + batch_size] for b in range(0, len(order), batch_size)]
     todo = [n for n, idx in enumerate(shards) if not _shard_done(records / f"{n}.json", idx, hs_dir)]
 
-    model = None
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     done_tokens, t0 = 0, time.perf_counter()
+    worker_loads = None
+    if todo and (workers > 1 or scheduler):
+        from eaglet.distributed import extract_shards
+
+        spec = {"verifier": verifier_path, "device": device, "trust_remote_code": trust_remote_code,
+                "aux_ids": aux_ids, "pad_id": pad_id, "hs_dir": str(hs_dir), "dtype": dtype}
+        result = extract_shards(spec, [(n, shards[n]) for n in todo], samples, workers, scheduler, progress=(
+            (lambda done, tokens: progress(len(shards) - len(todo) + done, len(shards),
+                                           tokens / (time.perf_counter() - t0))) if progress else None))
+        done_tokens, worker_loads = result["extracted_tokens"], result["worker_verifier_loads"]
+        todo = []
+    model = None
     for count, n in enumerate(todo, 1):
         if model is None:
             model = load_verifier(verifier_path, resolve_device(device), trust_remote_code)
             t0 = time.perf_counter()  # tokens/s measures extraction, not the load
-            pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         idx = shards[n]
+        batch = [samples[i]["input_ids"] for i in idx]
         try:
-            states = extract_batch(model, [samples[i]["input_ids"] for i in idx], aux_ids, pad_id)
+            states = extract_batch(model, batch, aux_ids, pad_id)
         except torch.OutOfMemoryError:
             del model  # retries run in this process: give the memory back before the caller retries
             _release_memory()
             raise
-        digests = {}
-        for i, hs in zip(idx, states):
-            name = f"hs_{i}.safetensors"
-            tmp = hs_dir / f".{name}.tmp"
-            save_file({**_stored(hs, dtype),
-                       "token_ids": torch.tensor(samples[i]["input_ids"], dtype=torch.long)}, str(tmp))
-            os.replace(tmp, hs_dir / name)
-            digests[name] = file_sha256(hs_dir / name)
-            done_tokens += samples[i]["seq_len"]
-        record = records / f"{n}.json"
-        record.with_suffix(".tmp").write_text(json.dumps({"samples": idx, "files": digests}))
-        os.replace(record.with_suffix(".tmp"), record)
+        done_tokens += write_shard(hs_dir, n, idx, batch, states, dtype)
         if progress:
             progress(len(shards) - len(todo) + count, len(shards), done_tokens / (time.perf_counter() - t0))
     seconds = time.perf_counter() - t0
@@ -155,7 +161,7 @@ def extract_hidden_states(
     _save_dataset(samples, out)
     shutil.rmtree(records)  # the manifest carries every file's digest from here on
     hidden_size = get_text_hidden_size(verifier_path)
-    return {
+    stats = {
         "samples": len(samples),
         "tokens": sum(s["seq_len"] for s in samples),
         "extracted_tokens": done_tokens,
@@ -167,6 +173,26 @@ def extract_hidden_states(
         "bytes_per_token": bytes_per_token(len(aux_ids) + 1, hidden_size, dtype),
         "hidden_size": hidden_size,
     }
+    if worker_loads is not None:
+        stats["worker_verifier_loads"] = worker_loads
+    return stats
+
+
+def write_shard(hs_dir: Path, n: int, idx: list[int], batch: list[list[int]], states: list[torch.Tensor],
+                dtype: str) -> int:
+    """One shard's files (temporary name, then rename), then its record with their sha256. Returns its tokens."""
+    digests, tokens = {}, 0
+    for i, ids, hs in zip(idx, batch, states):
+        name = f"hs_{i}.safetensors"
+        tmp = hs_dir / f".{name}.tmp"
+        save_file({**_stored(hs, dtype), "token_ids": torch.tensor(ids, dtype=torch.long)}, str(tmp))
+        os.replace(tmp, hs_dir / name)
+        digests[name] = file_sha256(hs_dir / name)
+        tokens += len(ids)
+    record = hs_dir / SHARD_RECORDS / f"{n}.json"
+    record.with_suffix(".tmp").write_text(json.dumps({"samples": idx, "files": digests}))
+    os.replace(record.with_suffix(".tmp"), record)
+    return tokens
 
 
 def _stored(hs: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:

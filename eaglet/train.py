@@ -10,7 +10,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -291,9 +295,71 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in f.read_text().splitlines() if line.strip()] if f.is_file() else []
 
 
+def visible_accelerators() -> int:
+    """GPUs this process may use (CUDA_VISIBLE_DEVICES decides); 0 on CPU."""
+    return torch.cuda.device_count() if on_accelerator() and torch.cuda.is_available() else 0
+
+
+def torchrun_command(argv_file: Path, metrics_file: Path | None, nproc: int) -> list[str]:
+    """One node, one rank per GPU, torchrun's standalone rendezvous; every rank runs eaglet.train_rank."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "eaglet.train_rank", str(argv_file)]
+    return cmd + ([str(metrics_file)] if metrics_file else [])
+
+
+def torchrun_argv(argv: list[str]) -> list[str]:
+    """speculators shards the draft over the ranks only when asked (FSDP `fully_shard`)."""
+    return argv if "--fsdp-shard" in argv else [*argv, "--fsdp-shard"]
+
+
+def torchrun_env(nproc: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))  # torchrun's default is 1
+    return env
+
+
+def _train_with_torchrun(argv: list[str], metrics_file: Path | None, on_metrics, nproc: int) -> None:
+    save_path = Path(argv[argv.index("--save-path") + 1])
+    save_path.mkdir(parents=True, exist_ok=True)
+    argv_file = save_path.parent / "torchrun_argv.json"
+    argv_file.write_text(json.dumps(torchrun_argv(argv)))
+    done = threading.Event()
+
+    def follow() -> None:  # rank 0 appends metrics to the file: hand each new line to on_metrics
+        seen = len(read_metrics(metrics_file))
+        while True:
+            finished = done.wait(2.0)
+            rows = read_metrics(metrics_file)
+            for row in rows[seen:]:
+                on_metrics(row)
+            seen = len(rows)
+            if finished:
+                return
+
+    follower = threading.Thread(target=follow, daemon=True) if metrics_file and on_metrics else None
+    if follower:
+        follower.start()
+    try:
+        proc = subprocess.run(torchrun_command(argv_file, metrics_file, nproc), env=torchrun_env(nproc),
+                              capture_output=True, text=True)
+    finally:
+        done.set()
+        if follower:
+            follower.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun ({nproc} ranks) failed with exit {proc.returncode}:\n"
+                           + (proc.stdout + proc.stderr)[-4000:])
+
+
 def train_draft(argv: list[str], metrics_file: Path | None = None,
-                on_metrics: Callable[[dict], None] | None = None) -> None:
-    """Run speculators' training; its metrics are appended to metrics_file (a resumed run continues it)."""
+                on_metrics: Callable[[dict], None] | None = None, nproc: int | None = None) -> None:
+    """Run speculators' training; its metrics are appended to metrics_file (a resumed run continues it).
+    nproc: ranks (default: the visible GPUs). Above 1, torchrun launches them (speculators shards the draft with
+    FSDP); otherwise speculators runs in this process. Either way a rerun resumes from the last epoch in
+    --save-path."""
+    nproc = visible_accelerators() if nproc is None else nproc
+    if nproc > 1:
+        return _train_with_torchrun(argv, metrics_file, on_metrics, nproc)
     from speculators.train.cli import main
     from speculators.train.config import TrainConfig
 

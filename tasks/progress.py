@@ -4,9 +4,13 @@ the run is attached to a terminal, and otherwise a plain log line about every 10
 from __future__ import annotations
 
 import sys
+import time
 
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+
+UPDATE_EVERY = 5.0
 
 
 class Progress:
@@ -17,6 +21,7 @@ class Progress:
         self.artifact_id = create_progress_artifact(0.0, key=key, description=description)
         self.bar = None
         self.last_logged = -1
+        self.last_update = time.monotonic()
         if sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -24,7 +29,11 @@ class Progress:
 
     def __call__(self, done: float, total: float, rate: float | None = None, note: str = "") -> None:
         percent = 100.0 * done / total if total else 100.0
-        update_progress_artifact(self.artifact_id, min(100.0, percent))
+        now = time.monotonic()
+        # An update is an API call: at most one every UPDATE_EVERY seconds, and always the last.
+        if percent >= 100.0 or now - self.last_update >= UPDATE_EVERY:
+            update_progress_artifact(self.artifact_id, min(100.0, percent))
+            self.last_update = now
         rate_text = f", {rate:.0f} tokens/s" if rate else ""
         if self.bar is not None:
             self.bar.total = total

@@ -185,7 +185,8 @@ def extract_hidden_states(verifier: VerifierInfo, conversations_dir: str, cfg: R
     def build(work: Path) -> None:
         progress = Progress("extraction", "extracting hidden states", "shards")
         stats = extract(verifier.path, Path(conversations_dir) / "train.jsonl", work, verifier.aux_layer_ids,
-                        cfg.data.max_seq_len, e.batch_size, e.dtype, e.device, verifier.trust_remote_code, progress)
+                        cfg.data.max_seq_len, e.batch_size, e.dtype, e.device, verifier.trust_remote_code, progress,
+                        workers=e.workers, scheduler=e.scheduler_address)
         progress.close()
         (work / "stats.json").write_text(json.dumps(stats))
         if stats["resumed_shards"]:

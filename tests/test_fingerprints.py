@@ -19,6 +19,8 @@ NOT_IN_KEYS = {
     "extraction.batch_size": "how, not what: padding is masked out of every state (and an out-of-memory retry "
                              "halves it for the same artifact)",
     "extraction.device": "where, not what",
+    "extraction.workers": "how many, not what: the shards' files are the same (test_distributed.py)",
+    "extraction.scheduler_address": "where, not what",
     "draft.like": "enters as the reference's content (test_reference_content_is_in_the_training_key)",
 }
 

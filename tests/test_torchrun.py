@@ -1,0 +1,43 @@
+"""The multi-GPU training launch, as far as a CPU machine can take it: the command and environment, the FSDP
+flag, and a real torchrun of 2 ranks that reach speculators' distributed set-up (which needs an accelerator)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from eaglet.config import RunConfig
+from eaglet.train import (speculators_argv, torchrun_argv, torchrun_command, torchrun_env, train_draft,
+                          visible_accelerators)
+
+
+def test_torchrun_command_runs_one_eaglet_rank_per_gpu(tmp_path):
+    cmd = torchrun_command(tmp_path / "argv.json", tmp_path / "metrics.jsonl", 8)
+    assert cmd == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
+                   "-m", "eaglet.train_rank", str(tmp_path / "argv.json"), str(tmp_path / "metrics.jsonl")]
+    assert torchrun_argv(["--epochs", "3"]) == ["--epochs", "3", "--fsdp-shard"]
+    assert torchrun_argv(["--fsdp-shard"]) == ["--fsdp-shard"]
+    assert int(torchrun_env(2)["OMP_NUM_THREADS"]) >= 1
+
+
+def test_cpu_trains_in_process():
+    assert visible_accelerators() == 0  # no GPU: the default is one process, no torchrun
+
+
+def test_two_ranks_start_under_torchrun_and_reach_speculators(tiny_verifier, tmp_path):
+    save = tmp_path / "work" / "checkpoints"
+    cfg = RunConfig()
+    # The ranks stop in speculators' set-up, before any data is read: the paths need not exist.
+    argv = speculators_argv(str(tiny_verifier), tmp_path / "states", tmp_path / "vocab", save, [2, 4, 5], 256,
+                            cfg.draft, cfg.training)
+    with pytest.raises(RuntimeError) as err:
+        train_draft(argv, tmp_path / "work" / "metrics.jsonl", lambda row: None, nproc=2)
+    text = str(err.value)
+    assert "torchrun (2 ranks) failed" in text
+    # both ranks ran eaglet.train_rank into speculators' maybe_setup_distributed -> set_device_index
+    assert text.count("Cannot access accelerator device when none is available") >= 2, text[-2000:]
+    launched = json.loads((tmp_path / "work" / "torchrun_argv.json").read_text())
+    assert launched == argv + ["--fsdp-shard"] and Path(launched[launched.index("--save-path") + 1]) == save
