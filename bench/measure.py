@@ -186,12 +186,14 @@ def _bytes_per_token(states: Path, stats: dict) -> dict:
 # --- decoding -------------------------------------------------------------------------------------------------
 
 def decoding(verifier_path: str, draft: str, prompts: list, ks: list[int], max_tokens: int, batch1: int,
-             max_model_len: int) -> dict:
-    """Greedy decoding in vLLM (bfloat16, as served) on held-out prompts: all at once, then the first `batch1`
-    one at a time. One engine per configuration; a short warm-up generation first."""
+             max_model_len: int, dtype: str = "float32") -> dict:
+    """Greedy decoding in vLLM on held-out prompts: all at once, then the first `batch1` one at a time. One
+    engine per configuration; a short warm-up generation first. float32 by default: on CPU, bfloat16 makes
+    greedy outputs with and without the draft differ (see eaglet/smoke.py), and then the two runs decode
+    different tokens and their speeds are not comparable; `identical_outputs` says whether they were."""
     from eaglet.vllm_run import run_vllm_job
 
-    job = {"verifier": verifier_path, "conversations": prompts, "max_tokens": max_tokens, "dtype": "bfloat16",
+    job = {"verifier": verifier_path, "conversations": prompts, "max_tokens": max_tokens, "dtype": dtype,
            "max_model_len": max_model_len, "temperature": 0.0, "batch1": batch1, "warmup": True}
     base = run_vllm_job(job)
     rows = []
@@ -207,21 +209,26 @@ def decoding(verifier_path: str, draft: str, prompts: list, ks: list[int], max_t
             "tokens_per_s_batch1": spec["batch1"]["tokens_per_s"],
             "speedup_batched": spec["tokens_per_s"] / base["tokens_per_s"],
             "speedup_batch1": spec["batch1"]["tokens_per_s"] / base["batch1"]["tokens_per_s"],
+            "identical_outputs": spec["token_ids"] == base["token_ids"],
         })
-    return {"prompts": len(prompts), "batch1_prompts": batch1, "max_tokens": max_tokens,
+    return {"prompts": len(prompts), "batch1_prompts": batch1, "max_tokens": max_tokens, "dtype": dtype,
             "baseline_tokens_per_s_batched": base["tokens_per_s"],
             "baseline_tokens_per_s_batch1": base["batch1"]["tokens_per_s"], "k": rows}
 
 
+TIMING_NOISE = 0.05  # two timed runs of the same work differ by a few percent on these machines
+
+
 def decoding_checks(dec: dict) -> list[str]:
-    """Invariants of speculative decoding: a draft of k tokens adds at most k per step (length <= k + 1),
-    and it cannot speed decoding up by more than the tokens each step yields (speedup <= length)."""
+    """Invariants of speculative decoding: a draft of k tokens adds at most k per step (length <= k + 1,
+    exact: counters), and it cannot speed decoding up by more than the tokens each step yields (speedup <=
+    length, up to TIMING_NOISE: timings)."""
     problems = []
     for r in dec["k"]:
         if r["mean_acceptance_length"] > r["k"] + 1 + 1e-9:
             problems.append(f"k={r['k']}: mean acceptance length {r['mean_acceptance_length']:.3f} > k+1")
         for batch in ("batched", "batch1"):
-            if r[f"speedup_{batch}"] > r["mean_acceptance_length"] + 1e-9:
+            if r[f"speedup_{batch}"] > r["mean_acceptance_length"] * (1 + TIMING_NOISE):
                 problems.append(f"k={r['k']}: {batch} speedup {r[f'speedup_{batch}']:.3f} exceeds the mean "
                                 f"acceptance length {r['mean_acceptance_length']:.3f}")
     return problems
