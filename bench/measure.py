@@ -85,28 +85,28 @@ def orchestration(home: Path, sets: list[str], changed: str, repeats: int) -> di
 def bare_forward_tokens_per_s(verifier_path: str, conversations_file: Path, max_seq_len: int,
                               batch_size: int, model) -> float:
     """The limit: the verifier's forward pass (hidden states requested) over exactly the pipeline's batches,
-    nothing captured, copied or written."""
+    nothing captured, copied or written. `model` freshly loaded, as the pipeline's is: a model's first passes
+    pay one-off kernel set-up (weight packing) that a warm model would not."""
     import torch
     from transformers import AutoTokenizer
 
     from eaglet.data import read_conversations, tokenize_conversations
+    from eaglet.extract import pad_batch
 
     tok = AutoTokenizer.from_pretrained(verifier_path)
     samples, _ = tokenize_conversations(tok, read_conversations(conversations_file), max_seq_len)
     order = sorted(range(len(samples)), key=lambda i: -samples[i]["seq_len"])
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    device = next(model.parameters()).device
     seconds, tokens = 0.0, 0
     with torch.inference_mode():
         for b in range(0, len(order), batch_size):
             batch = [samples[i]["input_ids"] for i in order[b : b + batch_size]]
-            longest = max(len(x) for x in batch)
-            ids = torch.full((len(batch), longest), pad, dtype=torch.long)
-            attn = torch.zeros_like(ids)
-            for i, x in enumerate(batch):
-                ids[i, : len(x)] = torch.tensor(x)
-                attn[i, : len(x)] = 1
+            ids, attn = pad_batch(batch, pad)
             t0 = time.perf_counter()
-            model.model(input_ids=ids, attention_mask=attn, output_hidden_states=True)
+            model.model(input_ids=ids.to(device), attention_mask=attn.to(device), output_hidden_states=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # kernels run asynchronously: wait before reading the clock
             seconds += time.perf_counter() - t0
             tokens += sum(len(x) for x in batch)
     return tokens / seconds
@@ -117,7 +117,7 @@ def stages(home: Path, verifier_path: str, conversations_dir: str, cfg, repeats:
     task builds instead of hitting the cache."""
     from prefect import flow
 
-    from eaglet.extract import load_verifier
+    from eaglet.extract import load_verifier, resolve_device
     from eaglet.train import speculators_argv
     from eaglet.verifier import resolve_verifier
     from tasks import stages as t
@@ -129,18 +129,18 @@ def stages(home: Path, verifier_path: str, conversations_dir: str, cfg, repeats:
     def bench_stages() -> dict:
         info = resolve_verifier(verifier_path, cfg.verifier.aux_layer_ids, False)
         conv_file = Path(conversations_dir) / "train.jsonl"
-        bare_model = load_verifier(verifier_path, "cpu")
         extraction = {"pipeline_tokens_per_s": [], "bare_tokens_per_s": []}
         for r in range(repeats):
             fresh_store(f"x{r}")
             states = t.extract_hidden_states.with_options(refresh_cache=True)(info, conversations_dir, cfg)
             stats = json.loads((Path(states) / "stats.json").read_text())
             extraction["pipeline_tokens_per_s"].append(stats["tokens_per_s"])
+            bare_model = load_verifier(verifier_path, resolve_device(cfg.extraction.device))
             extraction["bare_tokens_per_s"].append(bare_forward_tokens_per_s(
                 verifier_path, conv_file, cfg.data.max_seq_len, cfg.extraction.batch_size, bare_model))
+            del bare_model
             if r == 0:
                 states0, stats0 = states, stats
-        del bare_model
         extraction["tokens"] = stats0["tokens"]
         extraction["samples"] = stats0["samples"]
 

@@ -62,16 +62,22 @@ def final_norm(model) -> torch.nn.Module:
     return norm
 
 
-@torch.inference_mode()
-def extract_batch(model, batch_ids: list[list[int]], aux_ids: list[int], pad_id: int) -> list[torch.Tensor]:
-    """[T_i, n_aux+1, H] per sequence: aux layers in ascending order, then the pre-norm last layer."""
-    device = next(model.parameters()).device
+def pad_batch(batch_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded input ids and the attention mask that hides the padding."""
     longest = max(len(x) for x in batch_ids)
     ids = torch.full((len(batch_ids), longest), pad_id, dtype=torch.long)
     attn = torch.zeros_like(ids)
     for i, x in enumerate(batch_ids):
         ids[i, : len(x)] = torch.tensor(x)
         attn[i, : len(x)] = 1
+    return ids, attn
+
+
+@torch.inference_mode()
+def extract_batch(model, batch_ids: list[list[int]], aux_ids: list[int], pad_id: int) -> list[torch.Tensor]:
+    """[T_i, n_aux+1, H] per sequence: aux layers in ascending order, then the pre-norm last layer."""
+    device = next(model.parameters()).device
+    ids, attn = pad_batch(batch_ids, pad_id)
     captured = {}
     hook = final_norm(model).register_forward_pre_hook(lambda _m, args: captured.__setitem__("last", args[0]))
     try:
