@@ -53,7 +53,13 @@ class DataParams(_Section):
 
 
 class ExtractionParams(_Section):
-    batch_size: int = Field(8, ge=1, le=1024, description="Sequences per verifier forward pass.")
+    backend: Literal["auto", "hf", "vllm"] = Field(
+        "auto", description="hf: transformers forward passes (one device, or Dask workers). vllm: vLLM's "
+        "extract_hidden_states method and hidden-states connector, tensor parallel over GPUs (verifiers that need "
+        "several GPUs). auto: vllm when a GPU is visible (and workers is 1), else hf. Same files either way.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="GPUs one vLLM extraction engine spans (backend vllm), e.g. 8 for Kimi-K2.5.")
+    batch_size: int = Field(8, ge=1, le=1024, description="Sequences per verifier forward pass (a shard).")
     dtype: Literal["bfloat16", "float32", "fp8"] = Field(
         "bfloat16", description="Stored hidden-state dtype. fp8: e4m3 with one float32 scale per token "
         "(hs-connectors' format, read by speculators' fp8 backend), about half the bytes of bfloat16.")

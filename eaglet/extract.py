@@ -1,4 +1,5 @@
-"""Hidden-state extraction with Hugging Face transformers (CPU and GPU), in speculators' on-disk format.
+"""Hidden-state extraction in speculators' on-disk format: Hugging Face transformers here (backend hf, one
+device or Dask workers), or vLLM's extract_hidden_states method (backend vllm, eaglet.extract_vllm).
 
 Output directory (speculators `--data-path`):
   data-*.arrow, state.json ...   HF `save_to_disk` dataset with input_ids, loss_mask, seq_len
@@ -24,9 +25,11 @@ import torch
 from safetensors.torch import save_file
 
 from eaglet.data import read_conversations, tokenize_conversations
+from eaglet.errors import EagletError
 from eaglet.store import file_sha256
 
-EXTRACTOR_VERSION = "hf-1"
+# Part of the extraction cache key: the two backends agree to bf16 rounding, not bit for bit.
+EXTRACTOR_VERSIONS = {"hf": "hf-1", "vllm": "vllm-1"}
 
 # How many times this process loaded verifier weights. An in-process count for tests; the run report derives
 # verifier_loads from which artifacts the run built (store.built_by_this_process_since).
@@ -37,6 +40,40 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
+
+
+def visible_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_backend(backend: str = "auto", device: str = "auto", tensor_parallel_size: int = 1, workers: int = 1,
+                    scheduler: str | None = None) -> str:
+    """The backend an extraction will use ('auto' resolved), or one sentence saying which setting to change.
+    Checked before any weights load."""
+    gpus = visible_gpus()
+    if device.startswith("cuda") and not gpus:
+        raise EagletError(f"extraction.device={device} but no CUDA device is visible; use 'auto' or 'cpu'")
+    spread = workers > 1 or bool(scheduler)
+    if backend == "auto":
+        backend = "vllm" if gpus and device != "cpu" and not spread else "hf"
+    if backend == "hf":
+        if tensor_parallel_size > 1:
+            raise EagletError(f"extraction.tensor_parallel_size={tensor_parallel_size} applies to the vllm backend; "
+                              "set extraction.backend=vllm, or tensor_parallel_size=1 for hf")
+        return backend
+    if spread:
+        raise EagletError("extraction.workers and scheduler_address spread the hf backend over Dask; with "
+                          "extraction.backend=vllm one engine spans extraction.tensor_parallel_size GPUs: set "
+                          "workers=1 and no scheduler, or backend=hf")
+    if device == "cpu" and gpus:
+        raise EagletError("extraction.backend=vllm runs on this machine's GPUs; use backend=hf to extract on CPU")
+    if tensor_parallel_size > max(gpus, 1):
+        raise EagletError(f"extraction.tensor_parallel_size={tensor_parallel_size} needs that many GPUs; "
+                          f"{gpus} visible")
+    if device.startswith("cuda:") and tensor_parallel_size > 1:
+        raise EagletError(f"extraction.device={device} pins one GPU but tensor_parallel_size="
+                          f"{tensor_parallel_size}; use device=auto (CUDA_VISIBLE_DEVICES picks the GPUs)")
+    return backend
 
 
 def load_verifier(path: str, device: str, trust_remote_code: bool = False):
@@ -107,6 +144,8 @@ def extract_hidden_states(
     progress=None,
     workers: int = 1,
     scheduler: str | None = None,
+    backend: str = "hf",
+    tensor_parallel_size: int = 1,
 ) -> dict:
     """Tokenize the conversations, run the verifier, and write everything speculators' trainer reads.
 
@@ -118,7 +157,10 @@ def extract_hidden_states(
 
     workers > 1 or a Dask scheduler address: the shards left are spread over a Dask cluster (eaglet.distributed),
     each worker loading the verifier once; the files are the same.
+    backend "vllm": one vLLM engine (tensor_parallel_size GPUs) computes the states (eaglet.extract_vllm); the
+    shards, records and files are written the same way.
     """
+    backend = resolve_backend(backend, device, tensor_parallel_size, workers, scheduler)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(verifier_path, trust_remote_code=trust_remote_code)
@@ -130,17 +172,29 @@ def extract_hidden_states(
     order = sorted(range(len(samples)), key=lambda i: -samples[i]["seq_len"])  # less padding per batch
     shards = [order[b : b + batch_size] for b in range(0, len(order), batch_size)]
     todo = [n for n, idx in enumerate(shards) if not _shard_done(records / f"{n}.json", idx, hs_dir)]
+    resumed = len(shards) - len(todo)
 
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    _save_dataset(samples, out)  # first: the vllm backend's engine process reads the token ids from it
     done_tokens, t0 = 0, time.perf_counter()
     worker_loads = None
-    if todo and (workers > 1 or scheduler):
+    if todo and backend == "vllm":
+        from eaglet.extract_vllm import extract_shards_vllm
+
+        result = extract_shards_vllm(
+            verifier_path, out, hs_dir, [(n, shards[n]) for n in todo], aux_ids, dtype,
+            max_model_len=max(samples[i]["seq_len"] for n in todo for i in shards[n]) + 1,
+            tensor_parallel_size=tensor_parallel_size, device=device, trust_remote_code=trust_remote_code,
+            progress=(lambda done, tps: progress(resumed + done, len(shards), tps)) if progress else None)
+        done_tokens, t0 = result["extracted_tokens"], time.perf_counter() - result["seconds"]
+        todo = []
+    elif todo and (workers > 1 or scheduler):
         from eaglet.distributed import extract_shards
 
         spec = {"verifier": verifier_path, "device": device, "trust_remote_code": trust_remote_code,
                 "aux_ids": aux_ids, "pad_id": pad_id, "hs_dir": str(hs_dir), "dtype": dtype}
         result = extract_shards(spec, [(n, shards[n]) for n in todo], samples, workers, scheduler, progress=(
-            (lambda done, tokens: progress(len(shards) - len(todo) + done, len(shards),
+            (lambda done, tokens: progress(resumed + done, len(shards),
                                            tokens / (time.perf_counter() - t0))) if progress else None))
         done_tokens, worker_loads = result["extracted_tokens"], result["worker_verifier_loads"]
         todo = []
@@ -159,12 +213,11 @@ def extract_hidden_states(
             raise
         done_tokens += write_shard(hs_dir, n, idx, batch, states, dtype)
         if progress:
-            progress(len(shards) - len(todo) + count, len(shards), done_tokens / (time.perf_counter() - t0))
+            progress(resumed + count, len(shards), done_tokens / (time.perf_counter() - t0))
     seconds = time.perf_counter() - t0
     del model
 
     torch.save(dict(freq), out / "token_freq.pt")
-    _save_dataset(samples, out)
     shutil.rmtree(records)  # the manifest carries every file's digest from here on
     hidden_size = get_text_hidden_size(verifier_path)
     stats = {
@@ -172,12 +225,13 @@ def extract_hidden_states(
         "tokens": sum(s["seq_len"] for s in samples),
         "extracted_tokens": done_tokens,
         "shards": len(shards),
-        "resumed_shards": len(shards) - len(todo),
+        "resumed_shards": resumed,
         "loss_tokens": sum(freq.values()),
         "seconds": seconds,
         "tokens_per_s": done_tokens / seconds if seconds and done_tokens else 0.0,
         "bytes_per_token": bytes_per_token(len(aux_ids) + 1, hidden_size, dtype),
         "hidden_size": hidden_size,
+        "backend": backend,
     }
     if worker_loads is not None:
         stats["worker_verifier_loads"] = worker_loads

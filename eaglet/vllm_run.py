@@ -29,8 +29,9 @@ def vllm_env() -> dict[str, str]:
     return env
 
 
-def run_vllm_job(job: dict, timeout: float | None = None, progress=None) -> dict:
-    """progress(done, total, tokens_per_s): called after each chunk of conversations the child finished."""
+def run_vllm_job(job: dict, timeout: float | None = None, progress=None, env: dict[str, str] | None = None) -> dict:
+    """progress(done, total, tokens_per_s): called after each chunk of work the child finished. env: set on top
+    of vllm_env() for the child."""
     from eaglet.vllm_worker import PROGRESS
 
     with tempfile.TemporaryDirectory(prefix="eaglet-vllm-") as tmp:
@@ -40,21 +41,30 @@ def run_vllm_job(job: dict, timeout: float | None = None, progress=None) -> dict
         tail: deque[str] = deque(maxlen=40)
         proc = subprocess.Popen(
             [sys.executable, "-m", "eaglet.vllm_worker", str(job_file)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=vllm_env(), cwd=tmp,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**vllm_env(), **(env or {})}, cwd=tmp,
         )
         assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip()
-            tail.append(line)
-            if line.startswith(PROGRESS):
-                p = json.loads(line[len(PROGRESS):])
-                if progress:
-                    progress(p["done"], p["total"], p["tokens_per_s"])
+        try:
+            for line in proc.stdout:
+                line = line.rstrip()
+                tail.append(line)
+                if line.startswith(PROGRESS):
+                    p = json.loads(line[len(PROGRESS):])
+                    if progress:
+                        progress(p["done"], p["total"], p["tokens_per_s"])
+                    else:
+                        log.info(f"{p['done']}/{p['total']} done, {p['tokens_per_s']:.0f} tokens/s")
                 else:
-                    log.info(f"{p['done']}/{p['total']} conversations, {p['tokens_per_s']:.0f} tokens/s")
-            else:
-                log.debug(line)
-        rc = proc.wait(timeout=timeout)
+                    log.debug(line)
+            rc = proc.wait(timeout=timeout)
+        except BaseException:  # interrupted here (a cancelled run, a failing callback): stop vLLM too
+            proc.terminate()  # vLLM shuts its engine processes down on SIGTERM
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
         out = Path(job["out"])
         if rc != 0 or not out.is_file():
             text = "\n".join(tail)

@@ -6,6 +6,7 @@ process. A job is a JSON file; the result is written to job["out"] as JSON.
 Modes:
   generate: answer conversations with the verifier (regeneration).
   decode:   generate greedily on prompts, optionally with an EAGLE-3 draft, and read the spec-decode counters.
+  extract:  job["mode"] == "extract": hidden states for training (eaglet.extract_vllm).
 Options: "chunk" (conversations per generate call), "warmup" (one short generation first), "batch1" (then
 time the first N conversations one at a time).
 """
@@ -79,8 +80,7 @@ def run(job: dict) -> dict:
         new = llm.chat(convs[start : start + chunk], params, use_tqdm=False)
         outputs += new
         done += sum(len(c.token_ids) for o in new for c in o.outputs)
-        print(PROGRESS, json.dumps({"done": len(outputs), "total": len(convs), "tokens": done,
-                                    "tokens_per_s": done / (time.perf_counter() - t0)}), flush=True)
+        report(len(outputs), len(convs), done, done / (time.perf_counter() - t0))
     seconds = time.perf_counter() - t0
     after = _counters(llm)
     texts = [[c.text for c in o.outputs] for o in outputs]
@@ -110,10 +110,20 @@ def run(job: dict) -> dict:
     return result
 
 
+def report(done: int, total: int, tokens: int, tokens_per_s: float) -> None:
+    print(PROGRESS, json.dumps({"done": done, "total": total, "tokens": tokens, "tokens_per_s": tokens_per_s}),
+          flush=True)
+
+
 def main() -> None:
     with open(sys.argv[1]) as f:
         job = json.load(f)
-    result = run(job)
+    if job.get("mode") == "extract":
+        from eaglet.extract_vllm import run_extract_job
+
+        result = run_extract_job(job, report)
+    else:
+        result = run(job)
     tmp = job["out"] + ".tmp"
     with open(tmp, "w") as f:
         json.dump(result, f)

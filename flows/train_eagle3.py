@@ -48,8 +48,7 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
         data_dir = run("prepare-data", stages.prepare_data, data_file, params)
         verifier_path = params.verifier.path or run("convert-embedded-verifier", stages.convert_embedded_verifier,
                                                     params.verifier.aux_layer_ids, params.draft.draft_vocab_size)
-        verifier = run("resolve-verifier", stages.resolve_verifier, verifier_path, params.verifier.aux_layer_ids,
-                       params.verifier.trust_remote_code, params.draft.draft_vocab_size, params.draft.like)
+        verifier = run("resolve-verifier", stages.resolve_verifier, verifier_path, params)
 
         conversations_dir = data_dir
         if params.data.regenerate:

@@ -86,16 +86,17 @@ def read_reference(cfg: RunConfig) -> RunConfig:
 
 
 @task(name="resolve-verifier")
-def resolve_verifier(path: str, aux_layer_ids: list[int] | None, trust_remote_code: bool,
-                     draft_vocab_size: int, like: str | None = None) -> VerifierInfo:
+def resolve_verifier(path: str, cfg: RunConfig) -> VerifierInfo:
+    """The verifier's identity and shape, and every check that needs it (or the devices), before weights load."""
     from eaglet.convert import check_reference, read_reference as read
     from eaglet.verifier import resolve_verifier as resolve
     from eaglet.vocab import check_draft_vocab_size
 
-    info = resolve(path, aux_layer_ids, trust_remote_code)
-    check_draft_vocab_size(draft_vocab_size, info.vocab_size)
-    if like:
-        check_reference(read(like), info.hidden_size, info.vocab_size, like)
+    extraction_backend(cfg)  # an impossible backend / device / GPU count fails here, not after regeneration
+    info = resolve(path, cfg.verifier.aux_layer_ids, cfg.verifier.trust_remote_code)
+    check_draft_vocab_size(cfg.draft.draft_vocab_size, info.vocab_size)
+    if cfg.draft.like:
+        check_reference(read(cfg.draft.like), info.hidden_size, info.vocab_size, cfg.draft.like)
     get_run_logger().info(
         f"verifier {info.model_type}: {info.num_layers} layers, hidden {info.hidden_size}, vocab {info.vocab_size}, "
         f"aux ids {info.aux_layer_ids}, fingerprint {info.fingerprint}"
@@ -154,12 +155,19 @@ def regenerate_responses(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) 
 
 # --- hidden states, vocab, training ---------------------------------------------------------------------------
 
+def extraction_backend(cfg: RunConfig) -> str:
+    from eaglet.extract import resolve_backend
+
+    e = cfg.extraction
+    return resolve_backend(e.backend, e.device, e.tensor_parallel_size, e.workers, e.scheduler_address)
+
+
 def extraction_key(verifier: VerifierInfo, conversations_dir: str, cfg: RunConfig) -> str:
-    from eaglet.extract import EXTRACTOR_VERSION
+    from eaglet.extract import EXTRACTOR_VERSIONS
 
     return _key("hidden_states", verifier=verifier.fingerprint, conversations=Path(conversations_dir).name,
                 aux=verifier.aux_layer_ids, max_seq_len=cfg.data.max_seq_len, dtype=cfg.extraction.dtype,
-                extractor=EXTRACTOR_VERSION)
+                extractor=EXTRACTOR_VERSIONS[extraction_backend(cfg)])
 
 
 def _out_of_memory(_task, _run, state) -> bool:
@@ -182,11 +190,16 @@ def extract_hidden_states(verifier: VerifierInfo, conversations_dir: str, cfg: R
         e = e.model_copy(update={"batch_size": max(1, e.batch_size // 2 ** (attempt - 1))})
         log.warning(f"attempt {attempt} after running out of memory: batch size {e.batch_size}")
 
+    backend = extraction_backend(cfg)
+    log.info(f"extraction backend {backend}" + (f" (tensor parallel {e.tensor_parallel_size})" if backend == "vllm"
+                                                else ""))
+
     def build(work: Path) -> None:
         progress = Progress("extraction", "extracting hidden states", "shards")
         stats = extract(verifier.path, Path(conversations_dir) / "train.jsonl", work, verifier.aux_layer_ids,
                         cfg.data.max_seq_len, e.batch_size, e.dtype, e.device, verifier.trust_remote_code, progress,
-                        workers=e.workers, scheduler=e.scheduler_address)
+                        workers=e.workers, scheduler=e.scheduler_address, backend=backend,
+                        tensor_parallel_size=e.tensor_parallel_size)
         progress.close()
         (work / "stats.json").write_text(json.dumps(stats))
         if stats["resumed_shards"]:

@@ -16,6 +16,9 @@ NOT_IN_KEYS = {
     "verifier.trust_remote_code": "allows loading; the fingerprint covers the config and files that decide the model",
     "verifier.aux_layer_ids": "enters resolved, as VerifierInfo.aux_layer_ids (test_verifier_identity_is_in_every_key)",
     "data.path": "enters as the file's sha256 (test_data_file_content_is_in_the_key)",
+    "extraction.backend": "enters resolved ('auto' is hf or vllm), as its extractor version "
+                          "(test_extraction_backend_is_in_the_key)",
+    "extraction.tensor_parallel_size": "how many GPUs, not what: vLLM's ranks compute the same layers",
     "extraction.batch_size": "how, not what: padding is masked out of every state (and an out-of-memory retry "
                              "halves it for the same artifact)",
     "extraction.device": "where, not what",
@@ -120,3 +123,13 @@ def test_reference_content_is_in_the_training_key(tmp_path, verifier, data_file)
     moved.write_text(ref.read_text())
     same = RunConfig.model_validate({"draft": {"like": str(moved)}})
     assert _chain(same, verifier, data_file)["draft_ckpt"] == _chain(cfg, verifier, data_file)["draft_ckpt"]
+
+
+def test_extraction_backend_is_in_the_key(verifier, data_file):
+    def keys(backend: str) -> dict[str, str]:
+        return _chain(RunConfig.model_validate({"extraction": {"backend": backend}}), verifier, data_file)
+
+    hf, vllm, auto = keys("hf"), keys("vllm"), keys("auto")
+    assert hf["hidden_states"] != vllm["hidden_states"]  # the backends agree to bf16 rounding, not bit for bit
+    assert hf["draft_ckpt"] != vllm["draft_ckpt"] and hf["data"] == vllm["data"]
+    assert auto == hf  # no GPU here: auto is hf, and reuses hf's artifacts
