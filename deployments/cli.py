@@ -17,13 +17,10 @@ from pathlib import Path
 
 def _prefect_env() -> None:
     """Defaults that must be set before Prefect is imported."""
-    from eaglet.store import store_root
+    from deployments.stack import prefect_defaults
 
-    # Prefect 3.6.27-3.8.5 ignore PREFECT_HOME for results: caching needs an explicit result store.
-    os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(store_root() / "prefect-results"))
-    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "eaglet,speculators")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no network here; avoids telemetry errors
+    for name, value in prefect_defaults().items():
+        os.environ.setdefault(name, value)
     if os.environ.get("PREFECT_HOME"):  # the temporary server's SQLite file cannot be created in a missing dir
         Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
 

@@ -30,21 +30,30 @@ def stack_dir() -> Path:
     return prefect_home() / "eaglet-stack"
 
 
-def stack_env(api_url: str) -> dict[str, str]:
-    """What the server, the CLI calls and the worker (so every flow run it starts) see."""
+def prefect_defaults() -> dict[str, str]:
+    """The Prefect settings every eaglet process starts with unless set otherwise (`eaglet run`, the stack)."""
     from eaglet.store import store_root
 
-    env = dict(os.environ)
+    return {
+        # Prefect 3.6.27-3.8.5 ignore PREFECT_HOME for results: caching needs an explicit result store, shared by
+        # `eaglet run` and deployment runs.
+        "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(store_root() / "prefect-results"),
+        # eaglet's log lines reach the run's log in the UI; speculators prints its own (every step) to the console.
+        "PREFECT_LOGGING_EXTRA_LOGGERS": "eaglet",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # no network here; avoids telemetry errors
+    }
+
+
+def stack_env(api_url: str) -> dict[str, str]:
+    """What the server, the CLI calls and the worker (so every flow run it starts) see."""
+    env = {**prefect_defaults(), **os.environ}
     env.update({
         "PREFECT_API_URL": api_url,
         "PREFECT_HOME": str(prefect_home()),
         "EAGLET_REPO": str(ROOT),  # prefect.yaml's pull step: flow runs start in this checkout
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     })
-    # Prefect 3.6.27-3.8.5 ignore PREFECT_HOME for results; `eaglet run` and deployment runs share this cache.
-    env.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(store_root() / "prefect-results"))
-    env.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "eaglet")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
 
 

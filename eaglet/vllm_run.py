@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,21 @@ def vllm_env() -> dict[str, str]:
     return env
 
 
+def _stop_group(proc: subprocess.Popen) -> None:
+    """Stop the child and vLLM's engine processes (its own session): signalling the child alone leaves the engine
+    core and its workers running, holding the model's memory. SIGTERM lets vLLM shut down; SIGKILL the rest."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    proc.wait()
+
+
 def run_vllm_job(job: dict, timeout: float | None = None, progress=None, env: dict[str, str] | None = None) -> dict:
     """progress(done, total, tokens_per_s): called after each chunk of work the child finished. env: set on top
     of vllm_env() for the child."""
@@ -40,7 +56,7 @@ def run_vllm_job(job: dict, timeout: float | None = None, progress=None, env: di
         job_file.write_text(json.dumps(job))
         tail: deque[str] = deque(maxlen=40)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "eaglet.vllm_worker", str(job_file)],
+            [sys.executable, "-m", "eaglet.vllm_worker", str(job_file)], start_new_session=True,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**vllm_env(), **(env or {})}, cwd=tmp,
         )
         assert proc.stdout is not None
@@ -58,12 +74,7 @@ def run_vllm_job(job: dict, timeout: float | None = None, progress=None, env: di
                     log.debug(line)
             rc = proc.wait(timeout=timeout)
         except BaseException:  # interrupted here (a cancelled run, a failing callback): stop vLLM too
-            proc.terminate()  # vLLM shuts its engine processes down on SIGTERM
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _stop_group(proc)
             raise
         out = Path(job["out"])
         if rc != 0 or not out.is_file():

@@ -4,6 +4,7 @@ backend on the same tokens, run for real on vLLM's CPU backend; and the backend 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +40,18 @@ def _files(path) -> dict[str, str]:
     return {str(f.relative_to(path)): file_sha256(f) for f in sorted(path.rglob("*")) if f.is_file()}
 
 
+def _vllm_processes() -> list[str]:
+    names = []
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            name = comm.read_text().strip()
+        except OSError:
+            continue
+        if name.startswith("VLLM::"):
+            names.append(name)
+    return names
+
+
 class Crash(Exception):
     pass
 
@@ -56,6 +69,7 @@ def both(tiny_verifier, conversations, tmp_path_factory):
     work = base / "vllm"
     with pytest.raises(Crash):
         _extract(tiny_verifier, conversations, work, backend="vllm", progress=_crash_when_all_written)
+    assert _vllm_processes() == [], "vLLM's engine processes outlived the interrupted extraction"
     records = work / "hidden_states" / ".shards"
     assert sorted(r.name for r in records.glob("*.json")) == [f"{n}.json" for n in range(6)]
     first = json.loads((records / "2.json").read_text())["files"]

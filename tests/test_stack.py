@@ -173,3 +173,15 @@ def test_manual_deployment_form_in_headless_chromium(stack, tmp_path):
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     if os.environ.get("EAGLET_UPDATE_DOCS"):
         shutil.copy(shot, ROOT / "docs" / "manual-run-form.png")
+
+
+@pytest.mark.parametrize("pool,kind,template", [("eaglet-gpu", "process", "process-gpu.json"),
+                                                ("eaglet-k8s", "kubernetes", "kubernetes-gpu.json")])
+def test_gpu_work_pool_templates_are_accepted_by_the_server(stack, pool, kind, template):
+    path = ROOT / "deployments" / "work-pools" / template
+    proc = subprocess.run([sys.executable, "-m", "prefect", "work-pool", "create", pool, "--type", kind,
+                           "--base-job-template", str(path)], cwd=ROOT, env=stack["env"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    created = _api(stack["api"], f"/work_pools/{pool}")
+    assert created["type"] == kind and created["base_job_template"] == json.loads(path.read_text())

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# GPU check: the tiny verifier through the vllm extraction backend (compared with hf on the same tokens), GPU
+# training defaults and the vLLM smoke-load. Usage: bash scripts/gpu_check.sh [OUT_DIR] [--allow-cpu]
+# Python: $EAGLET_PYTHON if set (an environment with CUDA torch + vllm + eaglet's requirements), else .venv, else
+# python3. Stops after 10 minutes; OUT_DIR/summary.json (default out/gpu-check) has what finished.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${EAGLET_PYTHON:-}"
+if [ -z "$PY" ]; then
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}" TOKENIZERS_PARALLELISM=false
+exec timeout 600 "$PY" scripts/gpu_check.py "$@"
