@@ -318,25 +318,39 @@ def torchrun_env(nproc: int) -> dict[str, str]:
     return env
 
 
+def metrics_end(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
+def follow_metrics(path: Path, on_metrics: Callable[[dict], None], stop: threading.Event, offset: int = 0,
+                   interval: float = 2.0) -> None:
+    """Hand each row another process appends to `path` after byte `offset` to on_metrics, until `stop` is set
+    (one last read after). Start at metrics_end() taken before launching: a resumed run's earlier rows were
+    reported when they ran."""
+    while True:
+        finished = stop.wait(interval)
+        if path.exists():
+            with open(path, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next read
+            offset += len(complete)
+            for line in complete.decode().splitlines():
+                if line.strip():
+                    on_metrics(json.loads(line))
+        if finished:
+            return
+
+
 def _train_with_torchrun(argv: list[str], metrics_file: Path | None, on_metrics, nproc: int) -> None:
     save_path = Path(argv[argv.index("--save-path") + 1])
     save_path.mkdir(parents=True, exist_ok=True)
     argv_file = save_path.parent / "torchrun_argv.json"
     argv_file.write_text(json.dumps(torchrun_argv(argv)))
     done = threading.Event()
-
-    def follow() -> None:  # rank 0 appends metrics to the file: hand each new line to on_metrics
-        seen = len(read_metrics(metrics_file))
-        while True:
-            finished = done.wait(2.0)
-            rows = read_metrics(metrics_file)
-            for row in rows[seen:]:
-                on_metrics(row)
-            seen = len(rows)
-            if finished:
-                return
-
-    follower = threading.Thread(target=follow, daemon=True) if metrics_file and on_metrics else None
+    follower = threading.Thread(target=follow_metrics, args=(metrics_file, on_metrics, done,
+                                                             metrics_end(metrics_file)), daemon=True) \
+        if metrics_file and on_metrics else None
     if follower:
         follower.start()
     try:

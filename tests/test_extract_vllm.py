@@ -4,6 +4,7 @@ backend on the same tokens, run for real on vLLM's CPU backend; and the backend 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -41,15 +42,21 @@ def _files(path) -> dict[str, str]:
 
 
 def _vllm_processes() -> list[str]:
-    names = []
-    for comm in Path("/proc").glob("[0-9]*/comm"):
-        try:
-            name = comm.read_text().strip()
-        except OSError:
-            continue
-        if name.startswith("VLLM::"):
-            names.append(name)
-    return names
+    """vLLM's engine processes still alive (not zombies), after a few seconds for SIGKILL to land."""
+    for _ in range(10):
+        alive = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                text = stat.read_text()
+            except OSError:
+                continue
+            name, state = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2]
+            if name.startswith("VLLM::") and state != "Z":
+                alive.append(f"{name} {state}")
+        if not alive:
+            return []
+        time.sleep(0.5)
+    return alive
 
 
 class Crash(Exception):

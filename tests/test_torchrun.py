@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from eaglet.config import RunConfig
-from eaglet.train import (speculators_argv, torchrun_argv, torchrun_command, torchrun_env, train_draft,
+from eaglet.train import (follow_metrics, metrics_end, speculators_argv, torchrun_argv, torchrun_command, torchrun_env, train_draft,
                           visible_accelerators)
 
 
@@ -41,3 +43,22 @@ def test_two_ranks_start_under_torchrun_and_reach_speculators(tiny_verifier, tmp
     assert text.count("Cannot access accelerator device when none is available") >= 2, text[-2000:]
     launched = json.loads((tmp_path / "work" / "torchrun_argv.json").read_text())
     assert launched == argv + ["--fsdp-shard"] and Path(launched[launched.index("--save-path") + 1]) == save
+
+
+def test_a_resumed_run_reports_only_new_metrics(tmp_path):
+    """The parent follows the file rank 0 appends to; rows from the attempt before the resume are not repeated,
+    and a half-written line waits until it is whole."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"kind": "val", "epoch": 0}) + "\n")  # the earlier attempt's epoch
+    seen, stop = [], threading.Event()
+    follower = threading.Thread(target=follow_metrics, args=(path, seen.append, stop, metrics_end(path), 0.05))
+    follower.start()
+    with open(path, "a") as f:
+        f.write(json.dumps({"kind": "train", "epoch": 1, "step": 7}) + "\n" + '{"kind": "val", ')
+        f.flush()
+        time.sleep(0.3)
+        assert seen == [{"kind": "train", "epoch": 1, "step": 7}]
+        f.write('"epoch": 1}\n')
+    stop.set()
+    follower.join()
+    assert seen == [{"kind": "train", "epoch": 1, "step": 7}, {"kind": "val", "epoch": 1}]
