@@ -3,26 +3,17 @@ artifact as one worker."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
-from eaglet.data import write_conversations
 from eaglet.extract import extract_hidden_states
 from eaglet.store import file_sha256
-from tests.conftest import PROMPTS
+from tests.conftest import write_echo_conversations
 
 
 @pytest.fixture(scope="module")
 def conversations(tmp_path_factory):
-    rows = []
-    for line in PROMPTS.read_text().splitlines()[:40]:
-        prompt = json.loads(line)["prompt"]
-        rows.append([{"role": "user", "content": prompt},
-                     {"role": "assistant", "content": " ".join(reversed(prompt.lower().split()))}])
-    path = tmp_path_factory.mktemp("dist") / "c.jsonl"
-    write_conversations(path, rows)
-    return path
+    return write_echo_conversations(tmp_path_factory.mktemp("dist") / "c.jsonl", 40)
 
 
 def content(path) -> dict[str, str]:

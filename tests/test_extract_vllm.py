@@ -11,25 +11,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eaglet.data import write_conversations
 from eaglet.errors import EagletError
 from eaglet.extract import extract_hidden_states, resolve_backend
 from eaglet.store import file_sha256
-from tests.conftest import PROMPTS
+from tests.conftest import write_echo_conversations
 
 AUX = [2, 4, 5]
 
 
 @pytest.fixture(scope="module")
 def conversations(tmp_path_factory):
-    rows = []
-    for line in PROMPTS.read_text().splitlines()[:24]:
-        prompt = json.loads(line)["prompt"]
-        rows.append([{"role": "user", "content": prompt},
-                     {"role": "assistant", "content": " ".join(reversed(prompt.lower().split()))}])
-    path = tmp_path_factory.mktemp("vx") / "c.jsonl"
-    write_conversations(path, rows)
-    return path
+    return write_echo_conversations(tmp_path_factory.mktemp("vx") / "c.jsonl", 24)
 
 
 def _extract(verifier, conversations, out, **kw) -> dict:
