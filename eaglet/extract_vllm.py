@@ -110,12 +110,12 @@ def run_extract_job(job: dict, report) -> dict:
             group.append(shards.pop(0))
             count += len(group[-1][1])
         batches = [[dataset[i]["input_ids"] for i in idx] for _, idx in group]
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for batch in batches for ids in batch], params,
-                               use_tqdm=False)
+        outputs = iter(llm.generate([TokensPrompt(prompt_token_ids=ids) for batch in batches for ids in batch],
+                                    params, use_tqdm=False))  # in the order given
         for (n, idx), batch in zip(group, batches):
             states = []
             for ids in batch:
-                path = outputs.pop(0).kv_transfer_params["hidden_states_path"]
+                path = next(outputs).kv_transfer_params["hidden_states_path"]
                 saved = load_hidden_states(path)  # waits for the connector's write
                 cleanup_hidden_states(path)
                 if saved["token_ids"].tolist() != ids or saved["hidden_states"].shape[1] != len(job["layers"]):
