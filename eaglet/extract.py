@@ -218,7 +218,9 @@ def extract_hidden_states(
     del model
 
     torch.save(dict(freq), out / "token_freq.pt")
-    shutil.rmtree(records)  # the manifest carries every file's digest from here on
+    file_digests = {f"hidden_states/{name}": sha for record in sorted(records.glob("*.json"))
+                    for name, sha in json.loads(record.read_text())["files"].items()}
+    shutil.rmtree(records)  # the manifest carries every file's digest from here on (store.publish takes them)
     hidden_size = get_text_hidden_size(verifier_path)
     stats = {
         "samples": len(samples),
@@ -232,6 +234,7 @@ def extract_hidden_states(
         "bytes_per_token": bytes_per_token(len(aux_ids) + 1, hidden_size, dtype),
         "hidden_size": hidden_size,
         "backend": backend,
+        "file_sha256": file_digests,  # hashed once, as each file was written
     }
     if worker_loads is not None:
         stats["worker_verifier_loads"] = worker_loads

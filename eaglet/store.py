@@ -152,7 +152,11 @@ def partial_path(kind: str, key: str, root: Path | None = None) -> Path:
 
 def publish(kind: str, key: str, build: Callable[[Path], None], inputs: dict | None = None,
             root: Path | None = None, resumable: bool = False) -> Path:
-    """Return the artifact `kind/key`, building it with `build(work_dir)` if it is not already published."""
+    """Return the artifact `kind/key`, building it with `build(work_dir)` if it is not already published.
+
+    build may return {relative path: sha256} for files it hashed as it wrote them (the extractor's shard
+    records): the manifest takes those instead of reading the files again, which at Kimi-K2.5 scale (56 KiB of
+    hidden states per token) would cost as much I/O as writing them."""
     final = artifact_path(kind, key, root)
     if is_published(final) and intact(final):
         touch_used(final)
@@ -173,13 +177,17 @@ def publish(kind: str, key: str, build: Callable[[Path], None], inputs: dict | N
             shutil.rmtree(work)
         work.mkdir(exist_ok=True)
         try:
-            build(work)
+            hashed = build(work)
         except BaseException:
             if not resumable:  # a resumable build keeps its finished shards for the next attempt
                 shutil.rmtree(work, ignore_errors=True)
             raise
-        files = {str(p.relative_to(work)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
-                 for p in sorted(work.rglob("*")) if p.is_file()}
+        known = hashed if isinstance(hashed, dict) else {}
+        files = {}
+        for f in sorted(work.rglob("*")):
+            if f.is_file():
+                rel = str(f.relative_to(work))
+                files[rel] = {"bytes": f.stat().st_size, "sha256": known.get(rel) or file_sha256(f)}
         manifest = {
             "kind": kind,
             "key": key,

@@ -194,17 +194,19 @@ def extract_hidden_states(verifier: VerifierInfo, conversations_dir: str, cfg: R
     log.info(f"extraction backend {backend}" + (f" (tensor parallel {e.tensor_parallel_size})" if backend == "vllm"
                                                 else ""))
 
-    def build(work: Path) -> None:
+    def build(work: Path) -> dict[str, str]:
         progress = Progress("extraction", "extracting hidden states", "shards")
         stats = extract(verifier.path, Path(conversations_dir) / "train.jsonl", work, verifier.aux_layer_ids,
                         cfg.data.max_seq_len, e.batch_size, e.dtype, e.device, verifier.trust_remote_code, progress,
                         workers=e.workers, scheduler=e.scheduler_address, backend=backend,
                         tensor_parallel_size=e.tensor_parallel_size)
         progress.close()
+        file_digests = stats.pop("file_sha256")
         (work / "stats.json").write_text(json.dumps(stats))
         if stats["resumed_shards"]:
             log.info(f"resumed: {stats['resumed_shards']} of {stats['shards']} shards were already extracted")
         log.info(f"extracted {stats['extracted_tokens']} tokens at {stats['tokens_per_s']:.0f} tokens/s")
+        return file_digests  # the manifest reuses them
 
     key = extraction_key(verifier, conversations_dir, cfg)
     with store.in_use(conversations_dir):

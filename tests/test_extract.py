@@ -6,6 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from eaglet.data import write_conversations
 from eaglet.extract import extract_batch, extract_hidden_states
+from eaglet.store import file_sha256
 
 
 def test_last_state_normed_and_projected_reproduces_logits(tiny_verifier):
@@ -49,6 +50,9 @@ def test_extraction_writes_speculators_format(tiny_verifier, tmp_path):
         assert torch.equal(f["token_ids"], ds[i]["input_ids"])
     freq = torch.load(out / "token_freq.pt", weights_only=True)
     assert sum(freq.values()) == sum(int(ds[i]["loss_mask"].sum()) for i in range(2))
+    # the digests taken as each file was written, which the artifact's manifest reuses, are the files' own
+    written = {str(f.relative_to(out)): file_sha256(f) for f in (out / "hidden_states").glob("hs_*")}
+    assert stats["file_sha256"] == written and len(written) == 2
 
 
 def test_fp8_storage_halves_the_bytes_and_speculators_reads_it_back(tiny_verifier, tmp_path):

@@ -19,6 +19,19 @@ def test_publish_is_atomic_and_idempotent(tmp_path):
     assert store.publish("kind", "k1", build, root=tmp_path) == p and len(calls) == 1
 
 
+def test_the_builders_digests_are_taken_not_recomputed(tmp_path):
+    def build(d):
+        (d / "states.bin").write_bytes(b"hidden states")
+        (d / "stats.json").write_text("{}")
+        return {"states.bin": "0" * 64}  # what the builder says it hashed as it wrote (deliberately wrong here)
+
+    p = store.publish("kind", "k3", build, root=tmp_path)
+    files = json.loads((p / store.MANIFEST).read_text())["files"]
+    assert files["states.bin"]["sha256"] == "0" * 64  # taken as given: the file was not read again
+    assert files["stats.json"]["sha256"] == store.file_sha256(p / "stats.json")  # not given: hashed here
+    assert store.verify(p) == ["states.bin"]  # and `verify` (cache verify, damaged-artifact checks) still reads
+
+
 def test_failed_build_leaves_nothing(tmp_path):
     def build(d):
         (d / "half.bin").write_text("partial")
