@@ -42,15 +42,13 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def visible_gpus() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def resolve_backend(backend: str = "auto", device: str = "auto", tensor_parallel_size: int = 1, workers: int = 1,
                     scheduler: str | None = None) -> str:
     """The backend an extraction will use ('auto' resolved), or one sentence saying which setting to change.
     Checked before any weights load."""
-    gpus = visible_gpus()
+    from eaglet.train import visible_accelerators
+
+    gpus = visible_accelerators()
     if device.startswith("cuda") and not gpus:
         raise EagletError(f"extraction.device={device} but no CUDA device is visible; use 'auto' or 'cpu'")
     spread = workers > 1 or bool(scheduler)

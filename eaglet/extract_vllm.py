@@ -85,7 +85,8 @@ def engine_kwargs(job: dict, storage: Path) -> dict:
 def run_extract_job(job: dict, report) -> dict:
     """In the vLLM child process: generate one token per sequence, re-write the connector's files as shards.
     report(done, total, tokens, tokens_per_s) is called after each group of shards."""
-    import torch
+    from collections import deque
+
     from datasets import load_from_disk
     from vllm import LLM, SamplingParams
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
@@ -103,11 +104,11 @@ def run_extract_job(job: dict, report) -> dict:
     llm = LLM(**engine_kwargs(job, storage))
     params = SamplingParams(max_tokens=1, temperature=0.0)
     t0, tokens, done = time.perf_counter(), 0, 0
-    shards = [(n, idx) for n, idx in job["shards"]]
+    shards = deque((n, idx) for n, idx in job["shards"])
     while shards:
         group, count = [], 0
         while shards and (not group or count + len(shards[0][1]) <= SEQUENCES_PER_CALL):
-            group.append(shards.pop(0))
+            group.append(shards.popleft())
             count += len(group[-1][1])
         batches = [[dataset[i]["input_ids"] for i in idx] for _, idx in group]
         outputs = iter(llm.generate([TokensPrompt(prompt_token_ids=ids) for batch in batches for ids in batch],
@@ -121,10 +122,9 @@ def run_extract_job(job: dict, report) -> dict:
                 if saved["token_ids"].tolist() != ids or saved["hidden_states"].shape[1] != len(job["layers"]):
                     raise RuntimeError(f"vLLM's hidden states for a sequence of {len(ids)} tokens do not match it: "
                                        f"tokens {saved['token_ids'].shape[0]}, states {tuple(saved['hidden_states'].shape)}")
-                states.append(saved["hidden_states"].to(torch.bfloat16))
+                states.append(saved["hidden_states"])  # the engine's dtype, bfloat16 like hf's
             tokens += write_shard(hs_dir, n, idx, batch, states, job["dtype"])
         done += len(group)
         seconds = time.perf_counter() - t0
         report(done, len(job["shards"]), tokens, tokens / seconds)
-    shutil.rmtree(storage, ignore_errors=True)
     return {"extracted_tokens": tokens, "seconds": time.perf_counter() - t0}

@@ -150,7 +150,7 @@ def partial_path(kind: str, key: str, root: Path | None = None) -> Path:
     return artifact_path(kind, f".partial-{key}", root)
 
 
-def publish(kind: str, key: str, build: Callable[[Path], None], inputs: dict | None = None,
+def publish(kind: str, key: str, build: Callable[[Path], dict[str, str] | None], inputs: dict | None = None,
             root: Path | None = None, resumable: bool = False) -> Path:
     """Return the artifact `kind/key`, building it with `build(work_dir)` if it is not already published.
 

@@ -117,8 +117,10 @@ def main() -> int:
     def extract(backend: str) -> dict:
         work = out / f"states-{backend}"
         work.mkdir(exist_ok=True)
-        return extract_hidden_states(str(verifier), out / "train.jsonl", work, info.aux_layer_ids, 512, batch_size=16,
-                                     backend=backend)
+        stats = extract_hidden_states(str(verifier), out / "train.jsonl", work, info.aux_layer_ids, 512,
+                                      batch_size=16, backend=backend)
+        stats.pop("file_sha256")  # one digest per file: not a figure for the summary
+        return stats
 
     summary["extract_hf"] = step("extraction, backend hf", lambda: extract("hf"))
     summary["extract_vllm"] = step("extraction, backend vllm", lambda: extract("vllm"))

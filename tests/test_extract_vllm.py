@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from eaglet.errors import EagletError
-from eaglet.extract import extract_hidden_states, resolve_backend, visible_gpus
+from eaglet.extract import extract_hidden_states, resolve_backend
+from eaglet.train import visible_accelerators
 from eaglet.store import file_sha256
 from tests.conftest import write_echo_conversations
 
@@ -108,7 +109,7 @@ def test_vllm_backend_resumes_from_shard_records(both):
     assert again == first  # recomputed alone in a new engine, the shard's files are the same bytes
 
 
-@pytest.mark.skipif(visible_gpus() > 0, reason="the checks of a machine without a GPU")
+@pytest.mark.skipif(visible_accelerators() > 0, reason="the checks of a machine without a GPU")
 def test_backend_checks_before_any_load():
     assert resolve_backend("auto") == "hf"  # no GPU
     assert resolve_backend("vllm") == "vllm"  # vLLM's CPU backend

@@ -126,7 +126,7 @@ def test_reference_content_is_in_the_training_key(tmp_path, verifier, data_file)
 
 
 def test_extraction_backend_is_in_the_key(verifier, data_file):
-    from eaglet.extract import visible_gpus
+    from eaglet.train import visible_accelerators
 
     def keys(backend: str) -> dict[str, str]:
         return _chain(RunConfig.model_validate({"extraction": {"backend": backend}}), verifier, data_file)
@@ -134,4 +134,4 @@ def test_extraction_backend_is_in_the_key(verifier, data_file):
     hf, vllm, auto = keys("hf"), keys("vllm"), keys("auto")
     assert hf["hidden_states"] != vllm["hidden_states"]  # the backends agree to bf16 rounding, not bit for bit
     assert hf["draft_ckpt"] != vllm["draft_ckpt"] and hf["data"] == vllm["data"]
-    assert auto == (vllm if visible_gpus() else hf)  # auto reuses the artifacts of the backend it picks
+    assert auto == (vllm if visible_accelerators() else hf)  # auto reuses the artifacts of the backend it picks
