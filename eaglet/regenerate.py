@@ -42,4 +42,5 @@ def regenerate_responses(
         "output_tokens": result["output_tokens"],
         "seconds": result["seconds"],
         "tokens_per_s": result["tokens_per_s"],
+        "load_seconds": result["load_seconds"],
     }

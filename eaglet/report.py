@@ -78,8 +78,11 @@ def render_markdown(report: dict) -> str:
         f"- data: {report.get('data_summary') or report['artifacts']['data']}",
         f"- flat draft (vLLM): `{report['draft_dir']}`",
         f"- speculators checkpoint: `{report['speculators_dir']}`",
-        f"- verifier weight loads in this run: {report['verifier_loads']}; cache hits: {len(cached)} of "
-        f"{len(tasks)} tasks" + (f" ({', '.join(cached)})" if cached else ""),
+        f"- verifier weight loads before training: {report['verifier_loads']}; engine loads by stage: "
+        + ", ".join(f"{k} {v}" for k, v in report.get("engine_loads", {}).items())
+        + "; seconds loading: " + (", ".join(f"{k} {v:.1f}" for k, v in report.get("load_seconds", {}).items())
+                                   or "none"),
+        f"- cache hits: {len(cached)} of {len(tasks)} tasks" + (f" ({', '.join(cached)})" if cached else ""),
         "",
         "## Tasks",
         "",
@@ -146,9 +149,23 @@ def make_plots(out: Path, checkpoint_dir: str, smoke: dict | None) -> dict[str, 
     return plots
 
 
+def load_seconds(tasks: dict, stats: dict[str, dict], smoke: dict | None) -> dict[str, float]:
+    """Seconds each task that loaded verifier weights spent loading them (the rest of its time was work)."""
+    out = {}
+    if "load-verifier" in tasks and tasks["load-verifier"]["state"] != "Cached":
+        out["load-verifier"] = tasks["load-verifier"]["seconds"]
+    for task, kind in (("regenerate-responses", "regeneration"), ("extract-hidden-states", "extraction")):
+        if task in tasks and tasks[task]["state"] != "Cached" and stats.get(kind, {}).get("load_seconds"):
+            out[task] = round(stats[kind]["load_seconds"], 2)
+    if smoke and tasks.get("smoke-test", {}).get("state") != "Cached" and "load_seconds_with_draft" in smoke:
+        out["smoke-test"] = round(smoke["load_seconds_without_draft"] + smoke["load_seconds_with_draft"], 2)
+    return out
+
+
 def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: dict, artifacts: dict[str, str],
-                  verifier_loads: int, smoke: dict | None) -> dict:
-    """artifacts: store paths by stage (data, responses, hidden_states, vocab, checkpoint, draft)."""
+                  verifier_loads: int, smoke: dict | None, engine_loads: dict[str, int] | None = None) -> dict:
+    """artifacts: store paths by stage (data, responses, hidden_states, vocab, checkpoint, draft).
+    verifier_loads: weight loads before training; engine_loads: per stage, every load of the run."""
     out = out.resolve()
     draft = publish_dir(_copy_artifact(Path(artifacts["draft"])), out / "draft")
     spec = publish_dir(_copy_artifact(Path(artifacts["checkpoint"])), out / "draft-speculators")
@@ -158,6 +175,7 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
         "speculators_dir": str(spec),
         "artifacts": artifacts,
         "verifier_loads": verifier_loads,
+        "engine_loads": engine_loads or {"data": verifier_loads},
         "tasks": {name: {"state": t["state"], "seconds": t["seconds"], "started": t["started"]}
                   for name, t in tasks.items()},
         "regeneration": _stats(artifacts["responses"]) if "responses" in artifacts else None,
@@ -169,6 +187,8 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
                                                json.loads((draft / "config.json").read_text())),
         "plots": make_plots(out, artifacts["checkpoint"], smoke),
     }
+    report["load_seconds"] = load_seconds(report["tasks"], {k: report[k] or {} for k in ("regeneration", "extraction")},
+                                          smoke)
     lines = {n: sum(1 for _ in open(Path(artifacts["data"]) / f"{n}.jsonl")) for n in ("train", "eval")}
     report["data_summary"] = f"{lines['train']} training and {lines['eval']} held-out conversations"
     tmp = out / "report.json.tmp"

@@ -11,6 +11,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eaglet.data import prompt_part, read_conversations
+from eaglet.errors import EagletError
 from eaglet.vllm_run import run_vllm_job
 
 
@@ -22,9 +23,24 @@ class SmokeResult(BaseModel):
     tokens_per_s_with_draft: float
     tokens_per_s_without_draft: float
     num_prompts: int
+    load_seconds_without_draft: float  # each engine's start (weights, KV cache): the smoke-load's own loads
+    load_seconds_with_draft: float
     drafts: int
     accepted_tokens: int
     mismatched_prompts: int
+
+
+LOADER_PACKAGES = {"fastsafetensors": "fastsafetensors", "runai_streamer": "runai_model_streamer"}
+
+
+def check_load_format(load_format: str) -> None:
+    """vLLM's faster loaders need their own packages; say so before an engine starts."""
+    from importlib.util import find_spec
+
+    module = LOADER_PACKAGES.get(load_format)
+    if module and find_spec(module) is None:
+        raise EagletError(f"smoke.load_format={load_format} needs the {module.replace('_', '-')} package "
+                          "(pip install it on the GPU host), or use load_format=auto")
 
 
 def load_prompts(prompts_file: str | Path, num_prompts: int | None = None) -> list[list[dict]]:
@@ -34,13 +50,14 @@ def load_prompts(prompts_file: str | Path, num_prompts: int | None = None) -> li
 
 def smoke_test(
     verifier: str, draft: str, prompts: list[list[dict]], k: int = 3, max_tokens: int = 128,
-    max_model_len: int = 2048, dtype: str = "float32",
+    max_model_len: int = 2048, dtype: str = "float32", load_format: str = "auto",
 ) -> SmokeResult:
     """dtype: the verifier's compute dtype. In bfloat16 on CPU, verifying k+1 tokens at once rounds differently
     from decoding one, so greedy near-ties flip (15 of 40 SmolLM2 prompts diverged here, 0 in float32):
     float32 makes `lossless` a test of the draft path rather than of bf16 rounding."""
     job = {"verifier": verifier, "conversations": prompts, "max_tokens": max_tokens,
-           "max_model_len": max_model_len, "temperature": 0.0, "dtype": dtype}
+           "max_model_len": max_model_len, "temperature": 0.0, "dtype": dtype, "load_format": load_format}
+    check_load_format(load_format)
     base = run_vllm_job(job)
     spec = run_vllm_job(dict(job, draft=str(draft), k=k))
     counts = spec["spec"]
@@ -55,6 +72,8 @@ def smoke_test(
         tokens_per_s_with_draft=spec["tokens_per_s"],
         tokens_per_s_without_draft=base["tokens_per_s"],
         num_prompts=len(prompts),
+        load_seconds_without_draft=base["load_seconds"],
+        load_seconds_with_draft=spec["load_seconds"],
         drafts=drafts,
         accepted_tokens=counts["accepted"],
         mismatched_prompts=mismatched,

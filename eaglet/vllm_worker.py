@@ -6,7 +6,6 @@ process. A job is a JSON file; the result is written to job["out"] as JSON.
 Modes:
   generate: answer conversations with the verifier (regeneration).
   decode:   generate greedily on prompts, optionally with an EAGLE-3 draft, and read the spec-decode counters.
-  extract:  job["mode"] == "extract": hidden states for training (eaglet.extract_vllm).
 Options: "chunk" (conversations per generate call), "warmup" (one short generation first), "batch1" (then
 time the first N conversations one at a time).
 """
@@ -40,6 +39,8 @@ def _engine(job: dict):
         }
     if "gpu_memory_utilization" in job:
         kwargs["gpu_memory_utilization"] = job["gpu_memory_utilization"]
+    if job.get("load_format", "auto") != "auto":
+        kwargs["load_format"] = job["load_format"]
     return LLM(**kwargs)
 
 
@@ -61,7 +62,9 @@ def _counters(llm) -> dict:
 def run(job: dict) -> dict:
     from vllm import SamplingParams
 
+    t_load = time.perf_counter()
     llm = _engine(job)
+    load_seconds = time.perf_counter() - t_load  # the engine's start: weights, KV cache, warm-up of the runner
     convs = job["conversations"]
     params = SamplingParams(
         n=job.get("n", 1),
@@ -92,6 +95,7 @@ def run(job: dict) -> dict:
         "seconds": seconds,
         "output_tokens": n_tokens,
         "tokens_per_s": n_tokens / seconds if seconds else 0.0,
+        "load_seconds": load_seconds,
     }
     if job.get("draft"):
         per_pos_after, per_pos_before = after["per_pos"], before["per_pos"] or [0] * len(after["per_pos"])
@@ -118,12 +122,7 @@ def report(done: int, total: int, tokens: int, tokens_per_s: float) -> None:
 def main() -> None:
     with open(sys.argv[1]) as f:
         job = json.load(f)
-    if job.get("mode") == "extract":
-        from eaglet.extract_vllm import run_extract_job
-
-        result = run_extract_job(job, report)
-    else:
-        result = run(job)
+    result = run(job)
     tmp = job["out"] + ".tmp"
     with open(tmp, "w") as f:
         json.dump(result, f)

@@ -16,7 +16,7 @@ from eaglet.store import built_by_this_process_since, in_use, is_published
 from tasks import stages
 from tasks.report import publish_report
 
-DATA_STAGES = ("regenerate-responses", "extract-hidden-states")  # the stages that load verifier weights
+HF_DATA_STAGES = ("regenerate-responses", "extract-hidden-states")  # each loads the verifier when it builds
 
 
 def _run(timings: dict, held: contextlib.ExitStack, name: str, task, *args):
@@ -51,9 +51,21 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
         verifier = run("resolve-verifier", stages.resolve_verifier, verifier_path, params)
 
         conversations_dir = data_dir
-        if params.data.regenerate:
-            conversations_dir = run("regenerate-responses", stages.regenerate_responses, verifier, data_dir, params)
-        states_dir = run("extract-hidden-states", stages.extract_hidden_states, verifier, conversations_dir, params)
+        if stages.extraction_backend(params) == "vllm":
+            # One verifier load for the whole data pass (none when it is cached or an endpoint serves it); the
+            # engine is stopped before training needs the memory, or when the run fails.
+            engine = None
+            if not stages.capture_is_cached(verifier, data_dir, params):
+                engine = run("load-verifier", stages.load_verifier, verifier, params)
+                held.callback(stages.stop_verifier, engine)
+            states_dir = run("generate-and-capture", stages.generate_and_capture, verifier, data_dir, engine, params)
+            stages.stop_verifier(engine)
+        else:
+            if params.data.regenerate:
+                conversations_dir = run("regenerate-responses", stages.regenerate_responses, verifier, data_dir,
+                                        params)
+            states_dir = run("extract-hidden-states", stages.extract_hidden_states, verifier, conversations_dir,
+                             params)
         vocab_dir = run("build-vocab", stages.build_vocab, verifier, states_dir, params)
         ckpt_dir = run("train-draft", stages.train_draft, verifier, states_dir, vocab_dir, params)
         draft_dir = run("export-draft", stages.export_draft, verifier, ckpt_dir, params)
@@ -62,13 +74,16 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
         if params.smoke.enabled:
             smoke = run("smoke-test", stages.smoke_test, verifier, draft_dir, data_dir, params)
 
-        verifier_loads = sum(1 for name in DATA_STAGES
-                             if name in t and built_by_this_process_since(t[name]["result"], started))
+        loaded = "load-verifier" in t and not params.verifier.endpoint
+        verifier_loads = int(loaded) + sum(1 for name in HF_DATA_STAGES
+                                           if name in t and built_by_this_process_since(t[name]["result"], started))
         artifacts = {"data": data_dir, "hidden_states": states_dir, "vocab": vocab_dir, "checkpoint": ckpt_dir,
                      "draft": draft_dir}
-        if params.data.regenerate:
+        if conversations_dir != data_dir:
             artifacts["responses"] = conversations_dir
-        report = write_outputs(Path(output_dir), params, verifier, t, artifacts, verifier_loads, smoke)
+        smoke_loads = 2 if smoke and t["smoke-test"]["state"] != "Cached" else 0  # baseline + with the draft
+        report = write_outputs(Path(output_dir), params, verifier, t, artifacts, verifier_loads, smoke,
+                               engine_loads={"data": verifier_loads, "smoke": smoke_loads})
         publish_report(str(Path(output_dir).resolve()))  # the report, tables, plots and links in the UI
     log.info(f"draft written to {report['draft_dir']}; report at {Path(output_dir) / 'report.md'}")
     return report

@@ -44,7 +44,8 @@ class Progress:
         tenth = int(percent // 10)
         if tenth > self.last_logged:
             self.last_logged = tenth
-            self.log.info(f"{self.description}: {done:g}/{total:g} {self.unit}{rate_text}{note and ', ' + note}")
+            where = note or f"{done:g}/{total:g} {self.unit}"  # a note says it in whole units (epoch 2 of 4, ...)
+            self.log.info(f"{self.description}: {where} ({percent:.0f}%){rate_text}")
 
     def close(self) -> None:
         if self.bar is not None:

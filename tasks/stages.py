@@ -7,6 +7,7 @@ be transient, and returns a small reference (a path and a few numbers), never a 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -92,8 +93,15 @@ def resolve_verifier(path: str, cfg: RunConfig) -> VerifierInfo:
     from eaglet.verifier import resolve_verifier as resolve
     from eaglet.vocab import check_draft_vocab_size
 
-    extraction_backend(cfg)  # an impossible backend / device / GPU count fails here, not after regeneration
+    from eaglet.smoke import check_load_format
+
+    backend = extraction_backend(cfg)  # an impossible backend / device / GPU count fails here, before any load
+    check_load_format(cfg.smoke.load_format)
     info = resolve(path, cfg.verifier.aux_layer_ids, cfg.verifier.trust_remote_code)
+    if cfg.verifier.endpoint:
+        if backend != "vllm":
+            raise EagletError("verifier.endpoint is a vLLM capture server: it needs extraction.backend vllm or auto")
+        attach_engine(info, cfg)  # a wrong or unreachable endpoint is refused here, before any work
     check_draft_vocab_size(cfg.draft.draft_vocab_size, info.vocab_size)
     if cfg.draft.like:
         check_reference(read(cfg.draft.like), info.hidden_size, info.vocab_size, cfg.draft.like)
@@ -156,19 +164,112 @@ def regenerate_responses(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) 
 # --- hidden states, vocab, training ---------------------------------------------------------------------------
 
 def extraction_backend(cfg: RunConfig) -> str:
-    from eaglet.extract import resolve_backend
+    from eaglet.capture import resolve_backend
 
     e = cfg.extraction
     return resolve_backend(e.backend, e.device, e.tensor_parallel_size, e.workers, e.scheduler_address)
 
 
 def extraction_key(verifier: VerifierInfo, conversations_dir: str, cfg: RunConfig) -> str:
-    from eaglet.extract import EXTRACTOR_VERSIONS
+    """The hf backend's artifact: hidden states of given conversations (regenerated ones or the data's own)."""
+    from eaglet.capture import CAPTURE_VERSIONS
 
     return _key("hidden_states", verifier=verifier.fingerprint, conversations=Path(conversations_dir).name,
                 aux=verifier.aux_layer_ids, max_seq_len=cfg.data.max_seq_len, dtype=cfg.extraction.dtype,
-                extractor=EXTRACTOR_VERSIONS[extraction_backend(cfg)])
+                extractor=CAPTURE_VERSIONS["hf"])
 
+
+# --- the one data pass (backend vllm): one engine generates and captures -------------------------------------
+
+def capture_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
+    from eaglet.capture import CAPTURE_VERSIONS
+
+    d = cfg.data
+    generation = dict(max_new_tokens=d.max_new_tokens, temperature=d.temperature, n=d.responses_per_prompt,
+                      seed=d.seed) if d.regenerate else None
+    return _key("hidden_states", verifier=verifier.fingerprint, data=Path(data_dir).name, generation=generation,
+                aux=verifier.aux_layer_ids, max_seq_len=d.max_seq_len, dtype=cfg.extraction.dtype,
+                extractor=CAPTURE_VERSIONS["vllm"])
+
+
+def capture_is_cached(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> bool:
+    """Whether the data pass has nothing to do, so the flow starts no engine for it."""
+    path = store.artifact_path("hidden_states", capture_key(verifier, data_dir, cfg))
+    return store.is_published(path) and store.intact(path)
+
+
+def engine_max_model_len(cfg: RunConfig) -> int:
+    return cfg.data.max_seq_len + (cfg.data.max_new_tokens if cfg.data.regenerate else 1)
+
+
+def attach_engine(verifier: VerifierInfo, cfg: RunConfig):
+    from eaglet.capture.engine import attach, capture_layers
+
+    return attach(cfg.verifier.endpoint, verifier.fingerprint, capture_layers(verifier.aux_layer_ids,
+                  verifier.num_layers), engine_max_model_len(cfg))
+
+
+@task(name="load-verifier", retries=1, retry_delay_seconds=10, retry_condition_fn=_not_user_error)
+def load_verifier(verifier: VerifierInfo, cfg: RunConfig):
+    """The run's one verifier load: a vLLM capture engine (eaglet.capture.engine), stopped after the data pass.
+    With verifier.endpoint, the running server instead (no load)."""
+    from eaglet.capture.engine import capture_layers, start_engine
+
+    log = get_run_logger()
+    if cfg.verifier.endpoint:
+        engine = attach_engine(verifier, cfg)
+        log.info(f"using the verifier engine at {engine.endpoint}: no load")
+        return engine
+    e = cfg.extraction
+    storage = store.store_root() / ".engines" / f"{verifier.fingerprint}-{os.getpid()}"
+    log.info(f"loading the verifier into a vLLM capture engine (tensor parallel {e.tensor_parallel_size})")
+    engine = start_engine(verifier.path, verifier.fingerprint, capture_layers(verifier.aux_layer_ids,
+                          verifier.num_layers), storage, engine_max_model_len(cfg), e.tensor_parallel_size, e.device,
+                          verifier.trust_remote_code)
+    log.info(f"verifier loaded in {engine.load_seconds:.1f} s")
+    return engine
+
+
+def stop_verifier(engine) -> None:
+    """Stop an engine this run started (a no-op for an attached endpoint, or once stopped) and drop its scratch."""
+    from eaglet.capture.engine import stop_engine
+
+    if engine is not None and engine.pid is not None:
+        stop_engine(engine)
+        shutil.rmtree(engine.storage, ignore_errors=True)
+
+
+@task(name="generate-and-capture", cache_key_fn=_cache_key("hidden_states", capture_key), persist_result=True,
+      retries=1, retry_delay_seconds=10, retry_condition_fn=_not_user_error)
+def generate_and_capture(verifier: VerifierInfo, data_dir: str, engine, cfg: RunConfig) -> str:
+    """One pass through the engine: the verifier answers every training prompt and its hidden states over prompt
+    + answer are saved in the same requests (data.regenerate=false: the given conversations, prefill-only)."""
+    from eaglet.capture.vllm import generate_and_capture as one_pass
+
+    if engine is None:
+        raise RuntimeError("generate-and-capture has work to do but no verifier engine was started")
+    log = get_run_logger()
+    d, e = cfg.data, cfg.extraction
+
+    def build(work: Path) -> dict[str, str]:
+        progress = Progress("capture", "generating and capturing" if d.regenerate else "capturing", "shards")
+        stats = one_pass(engine, verifier.path, Path(data_dir) / "train.jsonl", work, len(verifier.aux_layer_ids) + 1,
+                         d.max_seq_len, e.batch_size, e.dtype, d.regenerate, d.max_new_tokens, d.temperature,
+                         d.responses_per_prompt, d.seed, verifier.trust_remote_code, progress)
+        progress.close()
+        file_digests = stats.pop("file_sha256")
+        (work / "stats.json").write_text(json.dumps(stats))
+        if stats["resumed_shards"]:
+            log.info(f"resumed: {stats['resumed_shards']} of {stats['shards']} shards were already done")
+        log.info(f"{stats['samples']} samples, {stats['generated_tokens']} tokens generated; captured "
+                 f"{stats['extracted_tokens']} tokens at {stats['tokens_per_s']:.0f} tokens/s")
+        return file_digests
+
+    with store.in_use(data_dir):
+        return str(store.publish("hidden_states", capture_key(verifier, data_dir, cfg), build, resumable=True))
+
+
+# --- the hf backend: regenerate-responses (vLLM) then extract-hidden-states (transformers) --------------------
 
 def _out_of_memory(_task, _run, state) -> bool:
     exc = state.result(raise_on_failure=False)
@@ -181,7 +282,7 @@ def extract_hidden_states(verifier: VerifierInfo, conversations_dir: str, cfg: R
     """Out of memory: retried (in this process, memory already released) with half the batch each time."""
     from prefect.runtime import task_run
 
-    from eaglet.extract import extract_hidden_states as extract
+    from eaglet.capture.hf import extract_hidden_states as extract
 
     log = get_run_logger()
     e = cfg.extraction
@@ -190,16 +291,11 @@ def extract_hidden_states(verifier: VerifierInfo, conversations_dir: str, cfg: R
         e = e.model_copy(update={"batch_size": max(1, e.batch_size // 2 ** (attempt - 1))})
         log.warning(f"attempt {attempt} after running out of memory: batch size {e.batch_size}")
 
-    backend = extraction_backend(cfg)
-    log.info(f"extraction backend {backend}" + (f" (tensor parallel {e.tensor_parallel_size})" if backend == "vllm"
-                                                else ""))
-
     def build(work: Path) -> dict[str, str]:
         progress = Progress("extraction", "extracting hidden states", "shards")
         stats = extract(verifier.path, Path(conversations_dir) / "train.jsonl", work, verifier.aux_layer_ids,
                         cfg.data.max_seq_len, e.batch_size, e.dtype, e.device, verifier.trust_remote_code, progress,
-                        workers=e.workers, scheduler=e.scheduler_address, backend=backend,
-                        tensor_parallel_size=e.tensor_parallel_size)
+                        workers=e.workers, scheduler=e.scheduler_address)
         progress.close()
         file_digests = stats.pop("file_sha256")
         (work / "stats.json").write_text(json.dumps(stats))
@@ -219,7 +315,7 @@ def vocab_key(verifier: VerifierInfo, states_dir: str, cfg: RunConfig) -> str:
 
 @task(name="build-vocab", cache_key_fn=_cache_key("vocab", vocab_key), persist_result=True)
 def build_vocab(verifier: VerifierInfo, states_dir: str, cfg: RunConfig) -> str:
-    from eaglet.extract import token_freq
+    from eaglet.capture.shards import token_freq
     from eaglet.vocab import build_vocab_mapping
 
     def build(tmp: Path) -> None:
@@ -252,7 +348,7 @@ def _training_monitor(log, progress: Progress, epochs: int):
         epoch = row["epoch"] or 0
         if row["kind"] == "val":
             log.info(f"epoch {epoch} validation: {short(row['metrics'])}")
-            progress(epoch + 1, epochs)
+            progress(epoch + 1, epochs, note=f"{epoch + 1} of {epochs} epochs done")
             return
         steps_per_epoch[epoch] = steps_per_epoch.get(epoch, 0) + 1
         n = steps_per_epoch[epoch]
@@ -260,7 +356,8 @@ def _training_monitor(log, progress: Progress, epochs: int):
             log.info(f"epoch {epoch} step {row['step']}: {short(row['metrics'])}")
         per_epoch = steps_per_epoch.get(epoch - 1)
         if per_epoch:  # known after the first epoch
-            progress(epoch + min(n / per_epoch, 0.99), epochs)
+            progress(epoch + min(n / per_epoch, 0.99), epochs,
+                     note=f"epoch {epoch + 1} of {epochs}, step {n} of about {per_epoch}")
     return on_metrics
 
 
@@ -344,7 +441,7 @@ def smoke_test(verifier: VerifierInfo, draft_dir: str, data_dir: str, cfg: RunCo
     s = cfg.smoke
     prompts = load_prompts(Path(data_dir) / "eval.jsonl", s.num_prompts)
     result = smoke(verifier.path, draft_dir, prompts, k=s.num_speculative_tokens, max_tokens=s.max_tokens,
-                   max_model_len=cfg.data.max_seq_len + s.max_tokens, dtype=s.dtype)
+                   max_model_len=cfg.data.max_seq_len + s.max_tokens, dtype=s.dtype, load_format=s.load_format)
     get_run_logger().info(
         f"mean acceptance length {result.mean_acceptance_length:.3f} at k={s.num_speculative_tokens}, "
         f"lossless={result.lossless}"

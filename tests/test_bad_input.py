@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from eaglet import extract
+from eaglet.capture import hf_forward
 from eaglet.config import load_config
 from eaglet.errors import EagletError
 from tests.conftest import run_cli
@@ -24,7 +24,7 @@ def run_flow(sets, out):
 
 
 def assert_nothing_loaded_or_written(store, out):
-    assert extract.VERIFIER_LOADS == 0
+    assert hf_forward.VERIFIER_LOADS == 0
     heavy = {"responses", "hidden_states", "vocab", "draft_ckpt", "draft_flat"}
     assert not [p for p in store.glob("*") if p.name in heavy]
     assert not list(store.glob("*/.tmp-*"))

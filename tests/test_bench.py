@@ -32,7 +32,7 @@ def test_bench_fills_every_row(tiny_verifier, tmp_path):
     assert o["cached_states"] == ["Cached"]  # every content-keyed task was a cache hit
     changed = o["training_change_states"]
     assert changed["extract-hidden-states"] == "Cached" and changed["train-draft"] == "Completed"
-    assert all(o["memory"][t] for t in ("regenerate-responses", "extract-hidden-states", "train-draft"))
+    assert all(o["memory"][t] for t in ("load-verifier", "generate-and-capture", "train-draft"))
     assert [k["k"] for k in d["k"]] == [1, 2]
     for k in d["k"]:
         assert 1.0 <= k["mean_acceptance_length"] <= k["k"] + 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from eaglet.extract import extract_hidden_states
+from eaglet.capture.hf import extract_hidden_states
 from eaglet.store import file_sha256
 from tests.conftest import write_echo_conversations
 

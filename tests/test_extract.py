@@ -5,7 +5,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from eaglet.data import write_conversations
-from eaglet.extract import extract_batch, extract_hidden_states
+from eaglet.capture.hf import extract_hidden_states
+from eaglet.capture.hf_forward import extract_batch
 from eaglet.store import file_sha256
 
 

@@ -18,6 +18,9 @@ NOT_IN_KEYS = {
     "data.path": "enters as the file's sha256 (test_data_file_content_is_in_the_key)",
     "extraction.backend": "enters resolved ('auto' is hf or vllm), as its extractor version "
                           "(test_extraction_backend_is_in_the_key)",
+    "verifier.endpoint": "where the data pass runs, not what: the endpoint must serve verifier.path's fingerprint "
+                         "and the run's layers (test_capture_vllm.py)",
+    "smoke.load_format": "how vLLM reads the weights, not which weights",
     "extraction.tensor_parallel_size": "how many GPUs, not what: vLLM's ranks compute the same layers",
     "extraction.batch_size": "how, not what: padding is masked out of every state (and an out-of-memory retry "
                              "halves it for the same artifact)",
@@ -31,10 +34,13 @@ NOT_IN_KEYS = {
 def _chain(cfg: RunConfig, verifier: VerifierInfo, data_file: str) -> dict[str, str]:
     """Every artifact key of a run, each built from its upstream artifact's key as the flow does."""
     keys = {"data": stages.data_key(data_file, cfg)}
-    conversations = keys["data"]
-    if cfg.data.regenerate:
-        keys["responses"] = conversations = stages.regen_key(verifier, keys["data"], cfg)
-    keys["hidden_states"] = stages.extraction_key(verifier, conversations, cfg)
+    if stages.extraction_backend(cfg) == "vllm":  # one pass: responses and states in one artifact
+        keys["hidden_states"] = stages.capture_key(verifier, keys["data"], cfg)
+    else:
+        conversations = keys["data"]
+        if cfg.data.regenerate:
+            keys["responses"] = conversations = stages.regen_key(verifier, keys["data"], cfg)
+        keys["hidden_states"] = stages.extraction_key(verifier, conversations, cfg)
     keys["vocab"] = stages.vocab_key(verifier, keys["hidden_states"], cfg)
     keys["draft_ckpt"] = stages.training_key(verifier, keys["hidden_states"], keys["vocab"], cfg)
     keys["draft_flat"] = stages.export_key(verifier, keys["draft_ckpt"], cfg)
@@ -126,12 +132,10 @@ def test_reference_content_is_in_the_training_key(tmp_path, verifier, data_file)
 
 
 def test_extraction_backend_is_in_the_key(verifier, data_file):
-    from eaglet.train import visible_accelerators
-
     def keys(backend: str) -> dict[str, str]:
         return _chain(RunConfig.model_validate({"extraction": {"backend": backend}}), verifier, data_file)
 
     hf, vllm, auto = keys("hf"), keys("vllm"), keys("auto")
     assert hf["hidden_states"] != vllm["hidden_states"]  # the backends agree to bf16 rounding, not bit for bit
     assert hf["draft_ckpt"] != vllm["draft_ckpt"] and hf["data"] == vllm["data"]
-    assert auto == (vllm if visible_accelerators() else hf)  # auto reuses the artifacts of the backend it picks
+    assert auto == vllm  # auto is vllm wherever vLLM is installed (CPU included) and reuses its artifacts

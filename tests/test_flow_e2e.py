@@ -18,8 +18,11 @@ def test_report_has_the_promised_fields(e2e_run, tiny_verifier):
     assert r["verifier"]["path"] == str(tiny_verifier.resolve()) and len(r["verifier"]["fingerprint"]) == 16
     assert Path(r["draft_dir"]) == e2e_run["out"] / "draft"
     assert Path(r["speculators_dir"]) == e2e_run["out"] / "draft-speculators"
-    assert r["verifier_loads"] == 2  # regeneration (vLLM) and extraction (transformers), once each
-    for name in ("prepare-data", "resolve-verifier", "regenerate-responses", "extract-hidden-states",
+    assert r["verifier_loads"] == 1  # one engine generated the responses and captured their states
+    assert r["engine_loads"] == {"data": 1, "smoke": 2}
+    assert set(r["load_seconds"]) == {"load-verifier", "smoke-test"} and all(v > 0 for v in r["load_seconds"].values())
+    assert "regenerate-responses" not in r["tasks"] and "extract-hidden-states" not in r["tasks"]
+    for name in ("prepare-data", "resolve-verifier", "load-verifier", "generate-and-capture",
                  "build-vocab", "train-draft", "export-draft", "validate-draft", "smoke-test"):
         assert r["tasks"][name]["state"] == "Completed", name
         assert r["tasks"][name]["seconds"] >= 0
@@ -74,8 +77,8 @@ def test_rerun_with_new_learning_rate_reuses_data_stages(e2e_run, session_dir):
                     "--output-dir", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((out / "report.json").read_text())
-    assert r["verifier_loads"] == 0
-    for name in ("prepare-data", "regenerate-responses", "extract-hidden-states", "build-vocab"):
+    assert r["verifier_loads"] == 0 and "load-verifier" not in r["tasks"]
+    for name in ("prepare-data", "generate-and-capture", "build-vocab"):
         assert r["tasks"][name]["state"] == "Cached", name
     assert r["tasks"]["train-draft"]["state"] == "Completed"
     assert r["artifacts"]["hidden_states"] == e2e_run["report"]["artifacts"]["hidden_states"]

@@ -36,4 +36,6 @@ def test_every_step_runs_on_cpu(tmp_path):
     assert compared["cosine_min"] > 0.999 and len(compared["cosine_min_per_layer"]) == 4  # 3 aux + last
     assert summary["smoke"]["lossless"] and summary["smoke"]["drafts"] > 0
     assert "--draft-attn-impl" in summary["training"]["argv"]  # the CPU settings; a GPU gets speculators' defaults
-    assert set(summary["seconds"]) >= {"regeneration (vLLM)", "extraction, backend vllm", "vLLM smoke-load"}
+    assert summary["one_pass"]["mode"] == "generate+capture" and summary["one_pass"]["generated_tokens"] > 0
+    assert set(summary["seconds"]) >= {"verifier engine (vLLM)", "generate and capture (one vLLM pass)",
+                                       "capture prefill (vLLM)", "vLLM smoke-load"}

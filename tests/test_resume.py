@@ -33,7 +33,10 @@ def answered(tmp_path_factory) -> Path:
 
 
 def _sets(verifier, data, epochs=2):
+    # The hf backend: these tests are about the store and the flow's resume (the vllm pass's kill -9 and resume:
+    # tests/test_capture_vllm.py).
     return [f"--set=verifier.path={verifier}", f"--set=data.path={data}", "--set=data.regenerate=false",
+            "--set=extraction.backend=hf",
             "--set=smoke.enabled=false", "--set=data.num_eval=10", "--set=data.max_seq_len=256",
             "--set=draft.draft_vocab_size=256", "--set=extraction.batch_size=1", f"--set=training.epochs={epochs}"]
 
@@ -145,4 +148,5 @@ def test_deleted_artifact_is_rebuilt_not_trusted_from_the_cache(e2e_run, session
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((out / "report.json").read_text())
     assert r["tasks"]["build-vocab"]["state"] == "Completed" and store.is_published(vocab)
-    assert r["tasks"]["extract-hidden-states"]["state"] == "Cached" and r["verifier_loads"] == 0
+    assert r["tasks"]["generate-and-capture"]["state"] == "Cached" and r["verifier_loads"] == 0
+    assert "load-verifier" not in r["tasks"]  # nothing to capture: no engine started

@@ -119,12 +119,12 @@ def test_ci_deployment_runs_on_the_worker_and_reruns_from_cache(stack, tiny_veri
     assert "Completed" in first.stdout
 
     states = _task_states(stack, first_id)
-    assert {states[t] for t in ("regenerate-responses", "extract-hidden-states", "train-draft", "smoke-test")} \
+    assert {states[t] for t in ("load-verifier", "generate-and-capture", "train-draft", "smoke-test")} \
         == {"Completed"}
     arts = _artifacts(stack, first_id)
     assert {"eaglet-report", "acceptance-per-position", "flat-draft", "plot-training", "plot-acceptance",
-            "regeneration", "extraction", "training"} <= set(arts)
-    for key in ("regeneration", "extraction", "training"):
+            "capture", "training"} <= set(arts)
+    for key in ("capture", "training"):
         assert arts[key]["type"] == "progress" and arts[key]["data"] == 100.0, arts[key]
     report = arts["eaglet-report"]["data"]
     assert "## vLLM smoke test" in report and "data:image/png;base64," in report
@@ -137,12 +137,11 @@ def test_ci_deployment_runs_on_the_worker_and_reruns_from_cache(stack, tiny_veri
     second, second_id = _deployment_run(stack, params, tmp_path / "run2")
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
     states = _task_states(stack, second_id)
-    heavy = ("prepare-data", "regenerate-responses", "extract-hidden-states", "build-vocab", "train-draft",
-             "export-draft", "smoke-test")
+    heavy = ("prepare-data", "generate-and-capture", "build-vocab", "train-draft", "export-draft", "smoke-test")
     assert {t: states[t] for t in heavy} == {t: "Cached" for t in heavy}
     assert "eaglet-report" in _artifacts(stack, second_id)
     report2 = json.loads((tmp_path / "run2" / "report.json").read_text())
-    assert report2["verifier_loads"] == 0
+    assert report2["verifier_loads"] == 0 and "load-verifier" not in states
 
 
 def _chromium() -> str | None:

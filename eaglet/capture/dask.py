@@ -2,7 +2,7 @@
 
 Dask does the distributing: scheduling, worker processes, re-running the shards of a worker that died. eaglet
 only says what a shard is. Each worker process loads the verifier once (a per-process memo) and takes whole
-shards; a shard is written exactly as the in-process extractor writes it (`eaglet.extract.write_shard`), so
+shards; a shard is written exactly as the in-process extractor writes it (`eaglet.capture.shards.write_shard`), so
 the artifact does not depend on how many workers made it. Workers must see the verifier path and the output
 directory (a shared filesystem across machines).
 
@@ -18,7 +18,7 @@ _MODELS: dict[tuple, object] = {}  # per worker process: (path, device) -> the l
 
 
 def _verifier(path: str, device: str, trust_remote_code: bool):
-    from eaglet.extract import load_verifier
+    from eaglet.capture.hf_forward import load_verifier
 
     key = (path, device)
     if key not in _MODELS:
@@ -27,7 +27,8 @@ def _verifier(path: str, device: str, trust_remote_code: bool):
 
 
 def _run_shard(spec: dict, n: int, idx: list[int], batch: list[list[int]]) -> int:
-    from eaglet.extract import extract_batch, resolve_device, write_shard
+    from eaglet.capture.hf_forward import extract_batch, resolve_device
+    from eaglet.capture.shards import write_shard
 
     model = _verifier(spec["verifier"], resolve_device(spec["device"]), spec["trust_remote_code"])
     states = extract_batch(model, batch, spec["aux_ids"], spec["pad_id"])
@@ -35,9 +36,9 @@ def _run_shard(spec: dict, n: int, idx: list[int], batch: list[list[int]]) -> in
 
 
 def _verifier_loads() -> int:
-    from eaglet import extract
+    from eaglet.capture import hf_forward
 
-    return extract.VERIFIER_LOADS
+    return hf_forward.VERIFIER_LOADS
 
 
 def extract_shards(spec: dict, shards: list[tuple[int, list[int]]], samples: list[dict], workers: int,

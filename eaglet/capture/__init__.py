@@ -1,0 +1,61 @@
+"""Generation and capture: the training data of a draft, from the verifier, in speculators' on-disk format.
+
+One interface, two backends; both write the same artifact through `eaglet.capture.shards` (dataset, per-sample
+hidden-state files, token counts; resumable shard by shard):
+
+  vllm  (eaglet.capture.vllm, engine)  one vLLM engine started with the `extract_hidden_states` method and the
+        hidden-states connector answers the prompts *and* saves the hidden states of prompt + response in the same
+        requests: the verifier is loaded once, and each token goes through it once. Without regeneration the same
+        engine captures the given conversations prefill-only. The engine is a server (started by the flow, by
+        `eaglet verifier serve`, or kept up by a team between runs), so the data pass is an HTTP client.
+  hf    (eaglet.capture.hf, hf_forward, dask)  transformers forward passes over given conversations, in this
+        process or over Dask workers: for verifiers vLLM cannot load, and for fan-out over many hosts.
+
+Imports go one way: hf -> dask -> hf_forward -> (torch); vllm -> engine; everything -> shards.
+"""
+
+from __future__ import annotations
+
+from eaglet.errors import EagletError
+
+# Part of the capture cache key: the backends agree to bf16 rounding, not bit for bit.
+CAPTURE_VERSIONS = {"hf": "hf-1", "vllm": "vllm-pass-1"}
+
+
+def vllm_installed() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("vllm") is not None
+
+
+def resolve_backend(backend: str = "auto", device: str = "auto", tensor_parallel_size: int = 1, workers: int = 1,
+                    scheduler: str | None = None) -> str:
+    """The backend a run will use ('auto' resolved), or one sentence saying which setting to change. Checked
+    before any weights load."""
+    from eaglet.train import visible_accelerators
+
+    gpus = visible_accelerators()
+    if device.startswith("cuda") and not gpus:
+        raise EagletError(f"extraction.device={device} but no CUDA device is visible; use 'auto' or 'cpu'")
+    spread = workers > 1 or bool(scheduler)
+    if backend == "auto":
+        # vLLM wherever it runs (CPU included): one verifier load for generation and capture.
+        backend = "vllm" if vllm_installed() and not spread and not (device == "cpu" and gpus) else "hf"
+    if backend == "hf":
+        if tensor_parallel_size > 1:
+            raise EagletError(f"extraction.tensor_parallel_size={tensor_parallel_size} applies to the vllm backend; "
+                              "set extraction.backend=vllm, or tensor_parallel_size=1 for hf")
+        return backend
+    if spread:
+        raise EagletError("extraction.workers and scheduler_address spread the hf backend over Dask; with "
+                          "extraction.backend=vllm one engine spans extraction.tensor_parallel_size GPUs: set "
+                          "workers=1 and no scheduler, or backend=hf")
+    if device == "cpu" and gpus:
+        raise EagletError("extraction.backend=vllm runs on this machine's GPUs; use backend=hf to extract on CPU")
+    if tensor_parallel_size > max(gpus, 1):
+        raise EagletError(f"extraction.tensor_parallel_size={tensor_parallel_size} needs that many GPUs; "
+                          f"{gpus} visible")
+    if device.startswith("cuda:") and tensor_parallel_size > 1:
+        raise EagletError(f"extraction.device={device} pins one GPU but tensor_parallel_size="
+                          f"{tensor_parallel_size}; use device=auto (CUDA_VISIBLE_DEVICES picks the GPUs)")
+    return backend

@@ -1,0 +1,223 @@
+"""The verifier engine of the data pass: a vLLM OpenAI-compatible server started with the `extract_hidden_states`
+speculative method and the hidden-states connector. It generates as usual and, per request, saves the hidden
+states of the requested layers to a safetensors file in its storage directory.
+
+The flow starts one per cold run (its load is the run's one verifier load) and stops it before training;
+`eaglet verifier serve` starts one that stays up, so nightly runs pointed at it (`verifier.endpoint`) load
+nothing. The served model name carries the verifier fingerprint and the captured layers, which is how a run
+knows that an endpoint serves *its* verifier with *its* layers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from eaglet.errors import EagletError
+
+log = logging.getLogger("eaglet.vllm")
+
+
+class EngineError(RuntimeError):
+    """The engine failed to start or died (transient failures are retried by the caller)."""
+
+
+class Engine(BaseModel):
+    """A running capture server, by reference: what the data pass needs to use it."""
+
+    endpoint: str
+    served_name: str
+    storage: str | None = None  # the connector's directory, when this process started it (its files are read by
+    # the path each response names: shared storage, mounted at the same path, when the server is remote)
+    max_model_len: int
+    pid: int | None = None  # set when this process started it
+    load_seconds: float = 0.0
+
+
+def served_name(fingerprint: str, layers: list[int]) -> str:
+    return f"eaglet-capture-{fingerprint}-L{'_'.join(str(i) for i in layers)}"
+
+
+def capture_layers(aux_ids: list[int], num_layers: int) -> list[int]:
+    """vLLM layer ids: aux ids ascending, then L (the last layer's output before the final norm) = the hf
+    backend's [T, n_aux+1, H]."""
+    return sorted(aux_ids) + [num_layers]
+
+
+def connector_config(storage: Path) -> dict:
+    from vllm.platforms import current_platform
+
+    connector = {"kv_connector": "ExampleHiddenStatesConnector"}
+    if current_platform.is_cpu():  # upstream copies through CUDA; see eaglet/capture/vllm_cpu_connector.py
+        connector = {"kv_connector": "CpuHiddenStatesConnector",
+                     "kv_connector_module_path": "eaglet.capture.vllm_cpu_connector"}
+    return {**connector, "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+
+
+def server_argv(verifier: str, name: str, layers: list[int], storage: Path, max_model_len: int, host: str, port: int,
+                tensor_parallel_size: int = 1, trust_remote_code: bool = False) -> list[str]:
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}}}
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",  # vllm-cpu's `vllm` script does not start
+        "--model", verifier, "--served-model-name", name, "--host", host, "--port", str(port),
+        "--dtype", "bfloat16",  # as the hf backend loads the verifier
+        "--max-model-len", str(max_model_len),
+        "--max-num-batched-tokens", str(max(max_model_len, 8192)),
+        "--tensor-parallel-size", str(tensor_parallel_size),
+        "--seed", "0",
+        "--enforce-eager",
+        "--no-enable-chunked-prefill",  # extract_hidden_states: a request's prompt states in one step
+        "--no-enable-prefix-caching",  # every sequence computed from its own tokens, whatever ran before it
+        "--speculative-config", json.dumps(spec),
+        "--kv-transfer-config", json.dumps(connector_config(storage)),
+        "--disable-uvicorn-access-log",
+    ]
+    if trust_remote_code:
+        argv.append("--trust-remote-code")
+    return argv
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_engine(verifier: str, fingerprint: str, layers: list[int], storage: Path, max_model_len: int,
+                 tensor_parallel_size: int = 1, device: str = "auto", trust_remote_code: bool = False,
+                 host: str = "127.0.0.1", port: int | None = None, timeout: float = 3600) -> Engine:
+    """Start the server in its own session (its engine processes stop with it) and wait until it answers.
+    Its log is storage/server.log."""
+    from eaglet.vllm_run import vllm_env
+
+    storage.mkdir(parents=True, exist_ok=True)
+    port = port or free_port(host)
+    name = served_name(fingerprint, layers)
+    env = vllm_env()
+    if device.startswith("cuda:"):
+        env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+    log_file = storage / "server.log"
+    t0 = time.perf_counter()
+    argv = server_argv(verifier, name, layers, storage, max_model_len, host, port, tensor_parallel_size,
+                       trust_remote_code)
+    with log_file.open("w") as out:  # through the guard: the server must not outlive this process, even a kill -9
+        proc = subprocess.Popen([sys.executable, "-m", "eaglet.capture.engine", str(os.getpid()), *argv],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    engine = Engine(endpoint=f"http://{host}:{port}", served_name=name, storage=str(storage),
+                    max_model_len=max_model_len, pid=proc.pid)
+    try:
+        while not _healthy(engine.endpoint):
+            if proc.poll() is not None:
+                raise EngineError(f"the vLLM server exited (code {proc.returncode}) while loading {verifier}; "
+                                  f"last output:\n{_tail(log_file)}")
+            if time.perf_counter() - t0 > timeout:
+                raise EngineError(f"the vLLM server did not answer within {timeout:.0f} s; last output:\n"
+                                  f"{_tail(log_file)}")
+            time.sleep(0.5)
+    except BaseException:
+        stop_engine(engine)
+        raise
+    engine.load_seconds = round(time.perf_counter() - t0, 2)
+    log.info(f"verifier engine up at {engine.endpoint} after {engine.load_seconds:.0f} s (one load)")
+    return engine
+
+
+def stop_engine(engine: Engine) -> None:
+    """SIGTERM lets vLLM shut down its engine core and workers; SIGKILL whatever is left of the group."""
+    if engine.pid is None:
+        return  # not ours: a server kept up by its owner
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(engine.pid, sig)
+        except ProcessLookupError:
+            break
+        for _ in range(60):
+            try:
+                if os.waitpid(engine.pid, os.WNOHANG)[0]:
+                    break
+            except ChildProcessError:  # not our child (started by another process): poll its existence
+                try:
+                    os.kill(engine.pid, 0)
+                except ProcessLookupError:
+                    break
+            time.sleep(0.5)
+    engine.pid = None
+
+
+def _healthy(endpoint: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{endpoint}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def attach(endpoint: str, fingerprint: str, layers: list[int], max_model_len: int) -> Engine:
+    """A running server, checked before any work: it must answer, serve this verifier (fingerprint) with these
+    layers and fit the run's sequences; one sentence otherwise. (eaglet.capture.vllm.probe then checks that its
+    capture files are readable here.)"""
+    import httpx
+
+    endpoint = endpoint.rstrip("/")
+    want = served_name(fingerprint, layers)
+    try:
+        models = httpx.get(f"{endpoint}/v1/models", timeout=30).json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        raise EagletError(f"verifier.endpoint {endpoint} does not answer as a vLLM server ({e}); start one with "
+                          "`eaglet verifier serve`") from None
+    names = [m.get("id") for m in models]
+    if want not in names:
+        served = ", ".join(str(n) for n in names)
+        if any(str(n).startswith(f"eaglet-capture-{fingerprint}-") for n in names):
+            why = f"it captures other layers ({served}; this run needs {want})"
+        elif any(str(n).startswith("eaglet-capture-") for n in names):
+            why = f"it serves another checkpoint ({served}; verifier.path has fingerprint {fingerprint})"
+        else:
+            why = f"it serves {served} without the capture method"
+        raise EagletError(f"verifier.endpoint {endpoint} cannot be used: {why}; start it with "
+                          f"`eaglet verifier serve --verifier {{verifier.path}}` and the run's aux layer ids")
+    model = next(m for m in models if m.get("id") == want)
+    served_len = int(model.get("max_model_len") or 0)
+    if served_len and served_len < max_model_len:
+        raise EagletError(f"verifier.endpoint {endpoint} serves at most {served_len} tokens per sequence; this run "
+                          f"needs {max_model_len} (data.max_seq_len + data.max_new_tokens): restart it with "
+                          f"--max-model-len {max_model_len}")
+    return Engine(endpoint=endpoint, served_name=want, max_model_len=served_len or max_model_len)
+
+
+def _guard(parent: int, argv: list[str]) -> int:
+    """`python -m eaglet.capture.engine PARENT_PID ARGV...`: run the server in this process group and take the
+    whole group down when PARENT_PID is gone (a verifier engine holds GPUs; an orphan would hold them for good)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stop_engine signals the group: the server first, then us
+    server = subprocess.Popen(argv, preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    while server.poll() is None:
+        if os.getppid() != parent:
+            os.killpg(0, signal.SIGTERM)
+            try:
+                server.wait(timeout=30)
+            finally:
+                os.killpg(0, signal.SIGKILL)
+        time.sleep(1)
+    return server.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(_guard(int(sys.argv[1]), sys.argv[2:]))

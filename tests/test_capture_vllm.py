@@ -1,0 +1,215 @@
+"""The vllm capture backend, run for real on vLLM's CPU backend: one engine generates and captures; its states
+against a prefill of the same ids and against the hf backend; a kill -9 mid-pass and the resume; an engine kept
+up with `eaglet verifier serve`, used by a run that then loads nothing; the checks made before any load."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eaglet.capture import resolve_backend
+from eaglet.capture.engine import Engine, capture_layers, free_port, start_engine, stop_engine
+from eaglet.capture.hf import extract_hidden_states
+from eaglet.capture.vllm import _complete, _load, generate_and_capture
+from eaglet.errors import EagletError
+from eaglet.store import file_sha256
+from eaglet.train import visible_accelerators
+from eaglet.verifier import resolve_verifier
+from tests.conftest import ROOT, TINY_RUN, run_cli, write_echo_conversations
+
+AUX = [2, 4, 5]
+MAX_SEQ, NEW = 128, 32
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory):
+    return write_echo_conversations(tmp_path_factory.mktemp("vx") / "c.jsonl", 24)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_verifier, tmp_path_factory):
+    info = resolve_verifier(tiny_verifier, AUX)
+    eng = start_engine(info.path, info.fingerprint, capture_layers(AUX, info.num_layers),
+                       tmp_path_factory.mktemp("engine"), MAX_SEQ + NEW)
+    yield eng
+    stop_engine(eng)
+
+
+def _pass(engine, verifier, conversations, out: Path, **kw) -> dict:
+    out.mkdir(exist_ok=True)
+    return generate_and_capture(engine, str(verifier), conversations, out, len(AUX) + 1, MAX_SEQ, 4,
+                                max_new_tokens=NEW, **kw)
+
+
+def _files(path) -> dict[str, str]:
+    return {str(f.relative_to(path)): file_sha256(f) for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def _compare(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """Worst per-token cosine and worst per-token relative error between two [T, layers, H] states."""
+    a, b = a.float(), b.float()
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1).min().item()
+    rel = ((a - b).norm(dim=-1) / a.norm(dim=-1)).max().item()
+    return cos, rel
+
+
+@pytest.fixture(scope="module")
+def one_pass(engine, tiny_verifier, conversations, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pass") / "gen"
+    return out, _pass(engine, tiny_verifier, conversations, out)
+
+
+def test_one_pass_states_equal_a_prefill_of_the_same_ids(one_pass, engine):
+    """The states saved while generating are the ones a prefill of the same token ids gives (bf16 rounding)."""
+    out, stats = one_pass
+    assert stats["mode"] == "generate+capture" and stats["samples"] == 24 and stats["generated_tokens"] > 0
+    worst_cos, worst_rel = 1.0, 0.0
+    with httpx.Client(timeout=600) as client:
+        for i in range(stats["samples"]):
+            saved = load_file(out / "hidden_states" / f"hs_{i}.safetensors")
+            ids = saved["token_ids"].tolist()
+            prefill = _load(_complete(client, engine, {"prompt_ids": ids}, None)["path"])
+            assert prefill["token_ids"].tolist() == ids
+            cos, rel = _compare(prefill["hidden_states"], saved["hidden_states"])
+            worst_cos, worst_rel = min(worst_cos, cos), max(worst_rel, rel)
+    print(f"one pass vs prefill: worst per-token cosine {worst_cos:.6f}, worst relative error {worst_rel:.4f}")
+    assert worst_cos > 0.9995 and worst_rel < 0.02, (worst_cos, worst_rel)
+
+
+def test_one_pass_writes_speculators_dataset_and_the_answers(one_pass, tiny_verifier):
+    from datasets import load_from_disk
+
+    out, stats = one_pass
+    ds = load_from_disk(str(out))
+    answers = [json.loads(line)["messages"] for line in (out / "responses.jsonl").read_text().splitlines()]
+    assert len(ds) == len(answers) == stats["samples"]
+    for i in range(len(ds)):
+        f = load_file(out / "hidden_states" / f"hs_{i}.safetensors")
+        ids, mask = ds[i]["input_ids"].tolist(), ds[i]["loss_mask"].tolist()
+        assert f["token_ids"].tolist() == ids and f["hidden_states"].shape == (len(ids), len(AUX) + 1, 128)
+        n_prompt = mask.index(1) if 1 in mask else len(mask)
+        assert mask == [0] * n_prompt + [1] * (len(ids) - n_prompt)  # the loss is on the verifier's answer only
+        assert answers[i][-1]["role"] == "assistant"
+    assert not list(out.rglob(".shards"))  # records dropped once the artifact is whole
+
+
+def test_prefill_pass_matches_the_hf_backend(engine, tiny_verifier, conversations, tmp_path):
+    """data.regenerate=false: the same engine, prefill-only, over the given conversations = the hf backend's
+    artifact: same dataset bytes, token counts and file set; states equal to bf16 rounding."""
+    hf = extract_hidden_states(str(tiny_verifier), conversations, _mk(tmp_path / "hf"), AUX, MAX_SEQ, batch_size=4)
+    vl = _pass(engine, tiny_verifier, conversations, tmp_path / "vllm", regenerate=False)
+    assert vl["mode"] == "prefill" and vl["samples"] == hf["samples"] == 24
+    a, b = _files(tmp_path / "hf"), _files(tmp_path / "vllm")
+    assert a.keys() == b.keys()
+    for name in a:
+        if not name.startswith("hidden_states/"):
+            assert a[name] == b[name], name
+    worst = (1.0, 0.0)
+    for name in (n for n in a if n.startswith("hidden_states/hs_")):
+        x, y = load_file(tmp_path / "hf" / name), load_file(tmp_path / "vllm" / name)
+        assert torch.equal(x["token_ids"], y["token_ids"]) and x["hidden_states"].dtype == y["hidden_states"].dtype
+        cos, rel = _compare(x["hidden_states"], y["hidden_states"])
+        worst = (min(worst[0], cos), max(worst[1], rel))
+    assert worst[0] > 0.9995 and worst[1] < 0.02, worst
+
+
+def _mk(p: Path) -> Path:
+    p.mkdir()
+    return p
+
+
+KILLED_CLIENT = """
+import sys
+from pathlib import Path
+from eaglet.capture.engine import Engine
+from eaglet.capture.vllm import generate_and_capture
+engine = Engine.model_validate_json(sys.argv[1])
+generate_and_capture(engine, sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]), 4, 128, 1, max_new_tokens=32)
+"""
+
+
+def test_kill_9_mid_pass_then_resume_computes_no_shard_twice(engine, tiny_verifier, conversations, tmp_path,
+                                                              one_pass):
+    out = _mk(tmp_path / "killed")
+    records = out / "hidden_states" / ".shards"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, engine.model_dump_json(), str(tiny_verifier),
+                             str(conversations), str(out)], cwd=ROOT)
+    try:
+        while len(list(records.glob("*.json"))) < 6:
+            assert proc.poll() is None, "the pass ended before it could be killed"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    done = {}  # the finished shards' files and their modification times
+    for rec in records.glob("*.json"):
+        for name in json.loads(rec.read_text())["files"]:
+            done[name] = (out / "hidden_states" / name).stat().st_mtime_ns
+    assert 6 <= len(done) < 24
+    stats = generate_and_capture(engine, str(tiny_verifier), conversations, out, 4, MAX_SEQ, 1, max_new_tokens=NEW)
+    assert stats["resumed_shards"] == len(done) and stats["samples"] == 24
+    for name, mtime in done.items():  # kept as they were: computed once
+        assert (out / "hidden_states" / name).stat().st_mtime_ns == mtime, name
+    assert len(list((out / "hidden_states").glob("hs_*.safetensors"))) == 24
+    full, _ = one_pass  # the resumed artifact holds the same samples as an uninterrupted pass
+    from datasets import load_from_disk
+
+    assert [r.tolist() for r in load_from_disk(str(out))["input_ids"]] == \
+        [r.tolist() for r in load_from_disk(str(full))["input_ids"]]
+
+
+def test_a_run_against_a_served_verifier_loads_nothing(tiny_verifier, session_dir):
+    """`eaglet verifier serve` keeps an engine up; a run with verifier.endpoint uses it (verifier_loads 0), and a
+    run whose layers differ is refused before any work."""
+    port = free_port()
+    sets = [f"--set={s}" for s in TINY_RUN + [f"verifier.path={tiny_verifier}"]]
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    server = subprocess.Popen([sys.executable, "-m", "deployments.cli", "verifier", "serve", *sets, "--port",
+                               str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True)
+    try:
+        line = ""
+        while "ready at" not in line:
+            line = server.stdout.readline()
+            assert line or server.poll() is None, "eaglet verifier serve exited"
+        endpoint = f"http://127.0.0.1:{port}"
+        wrong = run_cli(["run", *sets, "--set=verifier.aux_layer_ids=[1,3,5]", f"--set=verifier.endpoint={endpoint}",
+                         "--output-dir", str(session_dir / "wrong-endpoint")])
+        assert wrong.returncode == 2 and "captures other layers" in wrong.stderr, wrong.stderr[-2000:]
+        assert "load-verifier" not in wrong.stdout + wrong.stderr
+        out = session_dir / "served"
+        proc = run_cli(["run", *sets, "--set=data.max_new_tokens=40", "--set=training.epochs=1",
+                        "--set=smoke.enabled=false", f"--set=verifier.endpoint={endpoint}", "--output-dir", str(out)])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        r = json.loads((out / "report.json").read_text())
+        assert r["verifier_loads"] == 0 and r["engine_loads"]["data"] == 0
+        assert r["tasks"]["generate-and-capture"]["state"] == "Completed"
+        assert r["extraction"]["samples"] > 0 and r["extraction"]["generated_tokens"] > 0
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        server.wait(timeout=120)
+
+
+@pytest.mark.skipif(visible_accelerators() > 0, reason="the checks of a machine without a GPU")
+def test_backend_checks_before_any_load():
+    assert resolve_backend("auto") == "vllm"  # vLLM's CPU backend: one pass, CPU included
+    assert resolve_backend("auto", workers=2) == "hf"  # Dask fan-out is the hf backend's
+    for kwargs, words in [
+        (dict(backend="vllm", workers=2), "workers and scheduler_address"),
+        (dict(backend="vllm", scheduler="tcp://10.0.0.5:8786"), "workers and scheduler_address"),
+        (dict(backend="vllm", tensor_parallel_size=2), "needs that many GPUs; 0 visible"),
+        (dict(backend="hf", tensor_parallel_size=8), "applies to the vllm backend"),
+        (dict(backend="auto", device="cuda:1"), "no CUDA device is visible"),
+    ]:
+        with pytest.raises(EagletError, match=words):
+            resolve_backend(**kwargs)
