@@ -44,8 +44,9 @@ def environment(allow_cpu: bool) -> dict:
             except importlib.metadata.PackageNotFoundError:
                 pass
     if missing:
-        sys.exit(f"gpu_check: missing packages {missing}; install eaglet's requirements with a CUDA build of torch "
-                 "and vllm (pip install -e . --extra-index-url https://download.pytorch.org/whl/cu128)")
+        sys.exit(f"gpu_check: missing packages {missing}; install the GPU stack, requirements-gpu.lock (CUDA torch "
+                 "2.13.0 + vllm 0.32.0): `bash scripts/setup.sh` on the GPU host (or EAGLET_STACK=gpu), "
+                 "or pip install -e '.[gpu]'")
     import torch
 
     env["cuda"] = torch.cuda.is_available()

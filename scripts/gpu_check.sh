@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # GPU check: the tiny verifier through the vllm extraction backend (compared with hf on the same tokens), GPU
 # training defaults and the vLLM smoke-load. Usage: bash scripts/gpu_check.sh [OUT_DIR] [--allow-cpu]
-# Python: $EAGLET_PYTHON if set (an environment with CUDA torch + vllm + eaglet's requirements), else .venv, else
-# python3. Stops after 10 minutes; OUT_DIR/summary.json (default out/gpu-check) has what finished.
+# Python: $EAGLET_PYTHON if set, else .venv, else python3. It should have the GPU stack, requirements-gpu.lock (CUDA
+# torch 2.13.0, vllm 0.32.0, speculators, transformers, prefect): `bash scripts/setup.sh` installs it into .venv on a
+# host where a GPU is visible (EAGLET_STACK=gpu forces it). Stops after 10 minutes; OUT_DIR/summary.json (default
+# out/gpu-check) has what finished.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${EAGLET_PYTHON:-}"
