@@ -108,6 +108,9 @@ def render_markdown(report: dict) -> str:
             f"- tokens/s without draft {s['tokens_per_s_without_draft']:.0f}, with draft "
             f"{s['tokens_per_s_with_draft']:.0f} (batched, vLLM)",
         ]
+        if s.get("baseline_measured"):
+            lines.append(f"- verifier alone measured {s['baseline_measured']}"
+                         + (" (kept baseline: this smoke-load started one engine)" if s.get("baseline_reused") else ""))
         if plots.get("acceptance"):
             lines += ["", f"![acceptance per position]({plots['acceptance']})"]
     diff = report.get("config_difference")
@@ -157,7 +160,9 @@ def load_seconds(tasks: dict, stats: dict[str, dict], smoke: dict | None) -> dic
     for task, kind in (("regenerate-responses", "regeneration"), ("extract-hidden-states", "extraction")):
         if task in tasks and tasks[task]["state"] != "Cached" and stats.get(kind, {}).get("load_seconds"):
             out[task] = round(stats[kind]["load_seconds"], 2)
-    if smoke and tasks.get("smoke-test", {}).get("state") != "Cached" and "load_seconds_with_draft" in smoke:
+    if "verifier-baseline" in tasks and tasks["verifier-baseline"]["state"] != "Cached" and stats.get("baseline"):
+        out["verifier-baseline"] = round(stats["baseline"]["load_seconds"], 2)
+    if smoke and tasks.get("smoke-test", {}).get("state") != "Cached":
         out["smoke-test"] = round(smoke["load_seconds_without_draft"] + smoke["load_seconds_with_draft"], 2)
     return out
 
@@ -187,8 +192,15 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
                                                json.loads((draft / "config.json").read_text())),
         "plots": make_plots(out, artifacts["checkpoint"], smoke),
     }
-    report["load_seconds"] = load_seconds(report["tasks"], {k: report[k] or {} for k in ("regeneration", "extraction")},
-                                          smoke)
+    baseline = {}
+    if "baseline" in artifacts:
+        from eaglet.smoke import read_baseline
+
+        baseline = {k: v for k, v in read_baseline(artifacts["baseline"]).items() if k != "token_ids"}
+    report["baseline"] = baseline or None
+    report["load_seconds"] = load_seconds(report["tasks"], {"regeneration": report["regeneration"] or {},
+                                                            "extraction": report["extraction"] or {},
+                                                            "baseline": baseline}, smoke)
     lines = {n: sum(1 for _ in open(Path(artifacts["data"]) / f"{n}.jsonl")) for n in ("train", "eval")}
     report["data_summary"] = f"{lines['train']} training and {lines['eval']} held-out conversations"
     tmp = out / "report.json.tmp"

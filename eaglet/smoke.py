@@ -1,11 +1,21 @@
-"""vLLM smoke-load: verifier alone and verifier + EAGLE-3 draft, greedy, on held-out prompts.
+"""vLLM smoke-load: the verifier with the EAGLE-3 draft, greedy, on held-out prompts, against the verifier alone.
 
 Reports mean acceptance length (1 + accepted / drafts, at most k + 1), per-position acceptance rates,
 whether the outputs are identical (speculative decoding must be lossless at temperature 0), and tokens/s.
+
+The verifier alone (its greedy token ids and tokens/s: the baseline) depends only on the verifier, the prompts,
+the generation settings and the machine, never on the draft, so it is measured once and kept as an artifact
+(`measure_baseline`); a smoke-load with a new draft then starts one engine, the one with the draft.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+import socket
+import subprocess
+import time
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -13,6 +23,8 @@ from pydantic import BaseModel
 from eaglet.data import prompt_part, read_conversations
 from eaglet.errors import EagletError
 from eaglet.vllm_run import run_vllm_job
+
+BASELINE_FILE = "baseline.json"
 
 
 class SmokeResult(BaseModel):
@@ -23,8 +35,10 @@ class SmokeResult(BaseModel):
     tokens_per_s_with_draft: float
     tokens_per_s_without_draft: float
     num_prompts: int
-    load_seconds_without_draft: float  # each engine's start (weights, KV cache): the smoke-load's own loads
-    load_seconds_with_draft: float
+    load_seconds_without_draft: float  # the baseline engine's start (0 when the baseline was reused)
+    load_seconds_with_draft: float  # each engine's start: weights, KV cache; the smoke-load's own loads
+    baseline_reused: bool = False
+    baseline_measured: str = ""  # when and where the verifier-alone figures were measured
     drafts: int
     accepted_tokens: int
     mismatched_prompts: int
@@ -43,37 +57,87 @@ def check_load_format(load_format: str) -> None:
                           "(pip install it on the GPU host), or use load_format=auto")
 
 
+def machine_kind() -> dict:
+    """What decides whether two speed measurements are comparable: CPU model, cores, GPUs (names)."""
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpus = ""
+    try:
+        gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return {"cpu": cpu, "cores": os.cpu_count(), "gpus": gpus, "cuda_visible_devices": visible}
+
+
 def load_prompts(prompts_file: str | Path, num_prompts: int | None = None) -> list[list[dict]]:
     convs = [prompt_part(m) for m in read_conversations(prompts_file)]
     return convs[:num_prompts] if num_prompts else convs
 
 
+def _job(verifier: str, prompts: list[list[dict]], max_tokens: int, max_model_len: int, dtype: str,
+         load_format: str) -> dict:
+    return {"verifier": verifier, "conversations": prompts, "max_tokens": max_tokens, "max_model_len": max_model_len,
+            "temperature": 0.0, "dtype": dtype, "load_format": load_format}
+
+
+def measure_baseline(verifier: str, prompts: list[list[dict]], out: Path, max_tokens: int = 128,
+                     max_model_len: int = 2048, dtype: str = "float32", load_format: str = "auto") -> dict:
+    """The verifier alone on the prompts: greedy token ids, tokens/s, its engine's start; written to
+    out/baseline.json with when and on which machine it was measured."""
+    check_load_format(load_format)
+    base = run_vllm_job(_job(verifier, prompts, max_tokens, max_model_len, dtype, load_format))
+    baseline = {"token_ids": base["token_ids"], "tokens_per_s": base["tokens_per_s"], "seconds": base["seconds"],
+                "output_tokens": base["output_tokens"], "load_seconds": base["load_seconds"],
+                "num_prompts": len(prompts), "host": socket.gethostname(), "machine": machine_kind(),
+                "measured_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    (out / BASELINE_FILE).write_text(json.dumps(baseline))
+    return baseline
+
+
+def read_baseline(baseline_dir: str | Path) -> dict:
+    return json.loads((Path(baseline_dir) / BASELINE_FILE).read_text())
+
+
 def smoke_test(
     verifier: str, draft: str, prompts: list[list[dict]], k: int = 3, max_tokens: int = 128,
-    max_model_len: int = 2048, dtype: str = "float32", load_format: str = "auto",
+    max_model_len: int = 2048, dtype: str = "float32", load_format: str = "auto", baseline: dict | None = None,
 ) -> SmokeResult:
     """dtype: the verifier's compute dtype. In bfloat16 on CPU, verifying k+1 tokens at once rounds differently
     from decoding one, so greedy near-ties flip (15 of 40 SmolLM2 prompts diverged here, 0 in float32):
-    float32 makes `lossless` a test of the draft path rather than of bf16 rounding."""
-    job = {"verifier": verifier, "conversations": prompts, "max_tokens": max_tokens,
-           "max_model_len": max_model_len, "temperature": 0.0, "dtype": dtype, "load_format": load_format}
+    float32 makes `lossless` a test of the draft path rather than of bf16 rounding. baseline: a
+    `measure_baseline` result for the same verifier, prompts and settings (else it is measured here)."""
     check_load_format(load_format)
-    base = run_vllm_job(job)
+    job = _job(verifier, prompts, max_tokens, max_model_len, dtype, load_format)
+    reused = baseline is not None
+    if baseline is None:
+        base = run_vllm_job(job)
+        baseline = {"token_ids": base["token_ids"], "tokens_per_s": base["tokens_per_s"],
+                    "load_seconds": base["load_seconds"], "host": socket.gethostname(),
+                    "measured_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    elif len(baseline["token_ids"]) != len(prompts):
+        raise EagletError(f"the baseline has {len(baseline['token_ids'])} prompts, the smoke-load {len(prompts)}")
     spec = run_vllm_job(dict(job, draft=str(draft), k=k))
     counts = spec["spec"]
     drafts = counts["drafts"]
     per_pos = [a / drafts if drafts else 0.0 for a in counts["accepted_per_pos"]]
-    mismatched = sum(1 for a, b in zip(base["token_ids"], spec["token_ids"]) if a != b)
+    mismatched = sum(1 for a, b in zip(baseline["token_ids"], spec["token_ids"]) if a != b)
     return SmokeResult(
         num_speculative_tokens=k,
         mean_acceptance_length=1.0 + counts["accepted"] / drafts if drafts else 1.0,
         acceptance_per_position=per_pos,
         lossless=mismatched == 0,
         tokens_per_s_with_draft=spec["tokens_per_s"],
-        tokens_per_s_without_draft=base["tokens_per_s"],
+        tokens_per_s_without_draft=baseline["tokens_per_s"],
         num_prompts=len(prompts),
-        load_seconds_without_draft=base["load_seconds"],
+        load_seconds_without_draft=0.0 if reused else baseline["load_seconds"],
         load_seconds_with_draft=spec["load_seconds"],
+        baseline_reused=reused,
+        baseline_measured=f"{baseline['measured_at']} on {baseline['host']}",
         drafts=drafts,
         accepted_tokens=counts["accepted"],
         mismatched_prompts=mismatched,

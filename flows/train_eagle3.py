@@ -72,7 +72,8 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
         run("validate-draft", stages.validate_draft, verifier, draft_dir)
         smoke = None
         if params.smoke.enabled:
-            smoke = run("smoke-test", stages.smoke_test, verifier, draft_dir, data_dir, params)
+            baseline_dir = run("verifier-baseline", stages.verifier_baseline, verifier, data_dir, params)
+            smoke = run("smoke-test", stages.smoke_test, verifier, draft_dir, data_dir, baseline_dir, params)
 
         loaded = "load-verifier" in t and not params.verifier.endpoint
         verifier_loads = int(loaded) + sum(1 for name in HF_DATA_STAGES
@@ -81,7 +82,10 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
                      "draft": draft_dir}
         if conversations_dir != data_dir:
             artifacts["responses"] = conversations_dir
-        smoke_loads = 2 if smoke and t["smoke-test"]["state"] != "Cached" else 0  # baseline + with the draft
+        if params.smoke.enabled:
+            artifacts["baseline"] = baseline_dir
+        smoke_loads = sum(1 for name in ("verifier-baseline", "smoke-test")  # one engine each, when it ran
+                          if name in t and t[name]["state"] != "Cached")
         report = write_outputs(Path(output_dir), params, verifier, t, artifacts, verifier_loads, smoke,
                                engine_loads={"data": verifier_loads, "smoke": smoke_loads})
         publish_report(str(Path(output_dir).resolve()))  # the report, tables, plots and links in the UI

@@ -181,7 +181,8 @@ def extraction_key(verifier: VerifierInfo, conversations_dir: str, cfg: RunConfi
 
 # --- the one data pass (backend vllm): one engine generates and captures -------------------------------------
 
-def capture_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
+def capture_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig, engine=None) -> str:
+    """engine: which server computes it, not what (the endpoint must serve this verifier's fingerprint)."""
     from eaglet.capture import CAPTURE_VERSIONS
 
     d = cfg.data
@@ -428,22 +429,57 @@ def validate_draft(verifier: VerifierInfo, draft_dir: str) -> list[str]:
     return report.warnings
 
 
-def smoke_key(verifier: VerifierInfo, draft_dir: str, data_dir: str, cfg: RunConfig) -> str:
+def baseline_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
+    """The verifier alone on the held-out prompts: not the draft, not k. The machine's kind is in the key: a
+    speed measured on other hardware is not this one's (it is re-measured there)."""
+    from eaglet.smoke import machine_kind
+
+    s = cfg.smoke
+    return _key("baseline", verifier=verifier.fingerprint, data=Path(data_dir).name, num_prompts=s.num_prompts,
+                max_tokens=s.max_tokens, dtype=s.dtype, max_model_len=cfg.data.max_seq_len + s.max_tokens,
+                machine=machine_kind())
+
+
+@task(name="verifier-baseline", cache_key_fn=_cache_key("baseline", baseline_key), persist_result=True,
+      retries=1, retry_delay_seconds=10, retry_condition_fn=_not_user_error)
+def verifier_baseline(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
+    """The verifier alone in vLLM on the held-out prompts (greedy token ids, tokens/s), once per verifier, prompts
+    and machine kind: every later draft's smoke-load starts one engine, the one with the draft."""
+    from eaglet.smoke import load_prompts, measure_baseline
+
+    s = cfg.smoke
+
+    def build(tmp: Path) -> None:
+        prompts = load_prompts(Path(data_dir) / "eval.jsonl", s.num_prompts)
+        b = measure_baseline(verifier.path, prompts, tmp, max_tokens=s.max_tokens,
+                             max_model_len=cfg.data.max_seq_len + s.max_tokens, dtype=s.dtype,
+                             load_format=s.load_format)
+        get_run_logger().info(f"verifier alone: {b['tokens_per_s']:.0f} tokens/s on {b['machine']['cpu']} "
+                              f"{b['machine']['gpus']}".rstrip())
+
+    with store.in_use(data_dir):
+        return str(store.publish("baseline", baseline_key(verifier, data_dir, cfg), build))
+
+
+def smoke_key(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseline_dir: str, cfg: RunConfig) -> str:
     return _key("smoke", verifier=verifier.fingerprint, draft=Path(draft_dir).name, data=Path(data_dir).name,
-                smoke=cfg.smoke.model_dump())
+                baseline=Path(baseline_dir).name, smoke=cfg.smoke.model_dump())
 
 
 @task(name="smoke-test", cache_key_fn=_cache_key("smoke", smoke_key, artifact=False), persist_result=True,
       retries=1, retry_delay_seconds=10, retry_condition_fn=_not_user_error)
-def smoke_test(verifier: VerifierInfo, draft_dir: str, data_dir: str, cfg: RunConfig) -> dict:
-    from eaglet.smoke import load_prompts, smoke_test as smoke
+def smoke_test(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseline_dir: str, cfg: RunConfig) -> dict:
+    """One vLLM engine: the verifier with the draft, compared with the kept baseline (lossless, tokens/s)."""
+    from eaglet.smoke import load_prompts, read_baseline, smoke_test as smoke
 
     s = cfg.smoke
     prompts = load_prompts(Path(data_dir) / "eval.jsonl", s.num_prompts)
-    result = smoke(verifier.path, draft_dir, prompts, k=s.num_speculative_tokens, max_tokens=s.max_tokens,
-                   max_model_len=cfg.data.max_seq_len + s.max_tokens, dtype=s.dtype, load_format=s.load_format)
+    with store.in_use(baseline_dir):
+        result = smoke(verifier.path, draft_dir, prompts, k=s.num_speculative_tokens, max_tokens=s.max_tokens,
+                       max_model_len=cfg.data.max_seq_len + s.max_tokens, dtype=s.dtype, load_format=s.load_format,
+                       baseline=read_baseline(baseline_dir))
     get_run_logger().info(
         f"mean acceptance length {result.mean_acceptance_length:.3f} at k={s.num_speculative_tokens}, "
-        f"lossless={result.lossless}"
+        f"lossless={result.lossless} (verifier alone measured {result.baseline_measured})"
     )
     return result.model_dump()

@@ -44,7 +44,8 @@ def _chain(cfg: RunConfig, verifier: VerifierInfo, data_file: str) -> dict[str, 
     keys["vocab"] = stages.vocab_key(verifier, keys["hidden_states"], cfg)
     keys["draft_ckpt"] = stages.training_key(verifier, keys["hidden_states"], keys["vocab"], cfg)
     keys["draft_flat"] = stages.export_key(verifier, keys["draft_ckpt"], cfg)
-    keys["smoke"] = stages.smoke_key(verifier, keys["draft_flat"], keys["data"], cfg)
+    keys["baseline"] = stages.baseline_key(verifier, keys["data"], cfg)
+    keys["smoke"] = stages.smoke_key(verifier, keys["draft_flat"], keys["data"], keys["baseline"], cfg)
     return keys
 
 
@@ -106,6 +107,8 @@ def test_verifier_identity_is_in_every_key(verifier, data_file):
         other = _chain(cfg, verifier.model_copy(update=update), data_file)
         for kind in ("hidden_states", "vocab", "draft_ckpt", "draft_flat", "smoke"):
             assert other[kind] != base[kind], (update, kind)
+        # the verifier alone does not depend on which layers the draft reads
+        assert (other["baseline"] != base["baseline"]) == ("fingerprint" in update), update
 
 
 def test_data_file_content_is_in_the_key(tmp_path):

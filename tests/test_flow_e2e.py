@@ -19,11 +19,12 @@ def test_report_has_the_promised_fields(e2e_run, tiny_verifier):
     assert Path(r["draft_dir"]) == e2e_run["out"] / "draft"
     assert Path(r["speculators_dir"]) == e2e_run["out"] / "draft-speculators"
     assert r["verifier_loads"] == 1  # one engine generated the responses and captured their states
-    assert r["engine_loads"] == {"data": 1, "smoke": 2}
-    assert set(r["load_seconds"]) == {"load-verifier", "smoke-test"} and all(v > 0 for v in r["load_seconds"].values())
+    assert r["engine_loads"] == {"data": 1, "smoke": 2}  # the verifier alone (kept as the baseline), with the draft
+    assert set(r["load_seconds"]) == {"load-verifier", "verifier-baseline", "smoke-test"}
+    assert all(v > 0 for v in r["load_seconds"].values())
     assert "regenerate-responses" not in r["tasks"] and "extract-hidden-states" not in r["tasks"]
     for name in ("prepare-data", "resolve-verifier", "load-verifier", "generate-and-capture",
-                 "build-vocab", "train-draft", "export-draft", "validate-draft", "smoke-test"):
+                 "build-vocab", "train-draft", "export-draft", "validate-draft", "verifier-baseline", "smoke-test"):
         assert r["tasks"][name]["state"] == "Completed", name
         assert r["tasks"][name]["seconds"] >= 0
     s = r["smoke"]
@@ -71,18 +72,38 @@ def test_trained_draft_beats_untrained(e2e_run, tiny_verifier, session_dir):
     assert trained > base.mean_acceptance_length + 0.5, (trained, base.mean_acceptance_length)
 
 
-def test_rerun_with_new_learning_rate_reuses_data_stages(e2e_run, session_dir):
+def test_rerun_with_new_learning_rate_reuses_data_stages_and_the_baseline(e2e_run, session_dir):
+    """A training-only change: no verifier load for the data, and one vLLM engine in total (the smoke-load with
+    the new draft; the verifier alone is the kept baseline)."""
     out = session_dir / "run2"
-    proc = run_cli(["run", *e2e_run["sets"], "--set=training.lr=0.003", "--set=smoke.enabled=false",
-                    "--output-dir", str(out)])
+    proc = run_cli(["run", *e2e_run["sets"], "--set=training.lr=0.003", "--output-dir", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((out / "report.json").read_text())
     assert r["verifier_loads"] == 0 and "load-verifier" not in r["tasks"]
-    for name in ("prepare-data", "generate-and-capture", "build-vocab"):
+    assert r["engine_loads"] == {"data": 0, "smoke": 1}
+    for name in ("prepare-data", "generate-and-capture", "build-vocab", "verifier-baseline"):
         assert r["tasks"][name]["state"] == "Cached", name
-    assert r["tasks"]["train-draft"]["state"] == "Completed"
+    assert r["tasks"]["train-draft"]["state"] == "Completed" and r["tasks"]["smoke-test"]["state"] == "Completed"
     assert r["artifacts"]["hidden_states"] == e2e_run["report"]["artifacts"]["hidden_states"]
     assert r["artifacts"]["draft"] != e2e_run["report"]["artifacts"]["draft"]
+    s = r["smoke"]
+    assert s["baseline_reused"] and s["lossless"] is True and s["load_seconds_without_draft"] == 0
+    assert s["tokens_per_s_without_draft"] == e2e_run["report"]["smoke"]["tokens_per_s_without_draft"] > 0
+    assert s["tokens_per_s_with_draft"] > 0 and set(r["load_seconds"]) == {"smoke-test"}
+    assert "kept baseline" in (out / "report.md").read_text()
+
+
+def test_damaged_baseline_is_rebuilt(e2e_run, session_dir):
+    baseline = Path(e2e_run["report"]["artifacts"]["baseline"])
+    with open(baseline / "baseline.json", "r+b") as f:  # damaged: shorter than its manifest says
+        f.truncate(100)
+    out = session_dir / "run-damaged-baseline"
+    proc = run_cli(["run", *e2e_run["sets"], "--output-dir", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((out / "report.json").read_text())
+    assert r["tasks"]["verifier-baseline"]["state"] == "Completed" and r["engine_loads"]["smoke"] == 1
+    assert r["artifacts"]["baseline"] == str(baseline) and len(r["baseline"]["machine"]["cpu"]) > 0
+    json.loads((baseline / "baseline.json").read_text())  # whole again
 
 
 def test_smoke_command_alone(e2e_run, tiny_verifier, tmp_path):

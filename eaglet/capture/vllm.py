@@ -30,6 +30,8 @@ from eaglet.errors import EagletError
 log = logging.getLogger("eaglet.capture")
 
 IN_FLIGHT = 256  # requests in flight: vLLM batches them (its default max_num_seqs); the rest wait here
+# A request waits in vLLM's queue behind at most IN_FLIGHT others; one silent for this long means a stuck engine.
+REQUEST_TIMEOUT = 1800.0
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -138,7 +140,8 @@ def generate_and_capture(engine: Engine, tokenizer_path: str, conversations_file
     t0, tokens, generated = time.perf_counter(), 0, 0
     if todo:
         probe(engine, tok, num_layers)
-        with httpx.Client(timeout=None, limits=httpx.Limits(max_connections=IN_FLIGHT)) as client, \
+        with httpx.Client(timeout=httpx.Timeout(REQUEST_TIMEOUT, connect=60),
+                          limits=httpx.Limits(max_connections=IN_FLIGHT)) as client, \
                 ThreadPoolExecutor(IN_FLIGHT) as pool:
             futures = {i: pool.submit(_complete, client, engine, requests[i], gen) for n in todo for i in shards[n]}
             try:
