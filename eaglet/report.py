@@ -110,7 +110,7 @@ def render_markdown(report: dict) -> str:
         ]
         if s.get("baseline_measured"):
             lines.append(f"- verifier alone measured {s['baseline_measured']}"
-                         + (" (kept baseline: this smoke-load started one engine)" if s.get("baseline_reused") else ""))
+                         + (" (the kept baseline: the smoke-load itself started one engine, the one with the draft)" if s.get("baseline_reused") else ""))
         if plots.get("acceptance"):
             lines += ["", f"![acceptance per position]({plots['acceptance']})"]
     diff = report.get("config_difference")

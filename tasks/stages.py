@@ -247,12 +247,12 @@ def generate_and_capture(verifier: VerifierInfo, data_dir: str, engine, cfg: Run
     + answer are saved in the same requests (data.regenerate=false: the given conversations, prefill-only)."""
     from eaglet.capture.vllm import generate_and_capture as one_pass
 
-    if engine is None:
-        raise RuntimeError("generate-and-capture has work to do but no verifier engine was started")
     log = get_run_logger()
     d, e = cfg.data, cfg.extraction
 
-    def build(work: Path) -> dict[str, str]:
+    def build(work: Path) -> dict[str, str]:  # runs only if the artifact is not already published
+        if engine is None:
+            raise RuntimeError("generate-and-capture has work to do but no verifier engine was started")
         progress = Progress("capture", "generating and capturing" if d.regenerate else "capturing", "shards")
         stats = one_pass(engine, verifier.path, Path(data_dir) / "train.jsonl", work, len(verifier.aux_layer_ids) + 1,
                          d.max_seq_len, e.batch_size, e.dtype, d.regenerate, d.max_new_tokens, d.temperature,

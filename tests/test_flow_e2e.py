@@ -90,7 +90,7 @@ def test_rerun_with_new_learning_rate_reuses_data_stages_and_the_baseline(e2e_ru
     assert s["baseline_reused"] and s["lossless"] is True and s["load_seconds_without_draft"] == 0
     assert s["tokens_per_s_without_draft"] == e2e_run["report"]["smoke"]["tokens_per_s_without_draft"] > 0
     assert s["tokens_per_s_with_draft"] > 0 and set(r["load_seconds"]) == {"smoke-test"}
-    assert "kept baseline" in (out / "report.md").read_text()
+    assert "the kept baseline" in (out / "report.md").read_text()
 
 
 def test_damaged_baseline_is_rebuilt(e2e_run, session_dir):
