@@ -109,8 +109,8 @@ def render_markdown(report: dict) -> str:
             f"{s['tokens_per_s_with_draft']:.0f} (batched, vLLM)",
         ]
         if s.get("baseline_measured"):
-            lines.append(f"- verifier alone measured {s['baseline_measured']}"
-                         + (" (the kept baseline: the smoke-load itself started one engine, the one with the draft)" if s.get("baseline_reused") else ""))
+            kept = " (the kept baseline: the smoke-load itself started one engine, the one with the draft)"
+            lines.append(f"- verifier alone measured {s['baseline_measured']}" + (kept if s.get("baseline_reused") else ""))
         if plots.get("acceptance"):
             lines += ["", f"![acceptance per position]({plots['acceptance']})"]
     diff = report.get("config_difference")

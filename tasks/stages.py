@@ -91,9 +91,8 @@ def resolve_verifier(path: str, cfg: RunConfig) -> VerifierInfo:
     """The verifier's identity and shape, and every check that needs it (or the devices), before weights load."""
     from eaglet.convert import check_reference, read_reference as read
     from eaglet.verifier import resolve_verifier as resolve
-    from eaglet.vocab import check_draft_vocab_size
-
     from eaglet.smoke import check_load_format
+    from eaglet.vocab import check_draft_vocab_size
 
     backend = extraction_backend(cfg)  # an impossible backend / device / GPU count fails here, before any load
     check_load_format(cfg.smoke.load_format)
