@@ -66,12 +66,13 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     from eaglet.convert import check_flat_draft
     from eaglet.smoke import load_prompts, smoke_test
 
+    from eaglet.convert import read_config
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    config_file = Path(args.draft) / "config.json"
-    if config_file.is_file() and "speculators_config" not in json.loads(config_file.read_text()):
+    prompts = load_prompts(args.prompts, args.num_prompts)  # a bad prompts file fails before anything loads
+    if "speculators_config" not in read_config(Path(args.draft)):
         check_flat_draft(Path(args.draft), args.verifier)  # flat drafts only: vLLM reports none of these problems
-    result = smoke_test(args.verifier, args.draft, load_prompts(args.prompts, args.num_prompts), k=args.k,
-                        max_tokens=args.max_tokens, dtype=args.dtype)
+    result = smoke_test(args.verifier, args.draft, prompts, k=args.k, max_tokens=args.max_tokens, dtype=args.dtype)
     text = result.model_dump_json(indent=2)
     if args.json:
         Path(args.json).write_text(text + "\n")

@@ -166,7 +166,14 @@ def load_config(config_file: str | Path | None = None, overrides: list[str] | No
         path = Path(config_file)
         if not path.is_file():
             raise EagletError(f"config file {path} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError:
+            raise EagletError(f"config file {path} is not UTF-8 text") from None
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            at = f" at line {where.line + 1}" if where else ""
+            raise EagletError(f"config file {path} is not valid YAML{at}: {getattr(e, 'problem', e)}") from None
         if not isinstance(data, dict):
             raise EagletError(f"config file {path} must hold a mapping of sections")
     for item in overrides or []:

@@ -25,7 +25,7 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eaglet.errors import EagletError
+from eaglet.errors import EagletError, read_json_file
 from eaglet.verifier import read_config_dict, text_config_of
 
 FLAT_ARCH = "LlamaForCausalLMEagle3"
@@ -63,7 +63,7 @@ def weight_files(path: Path) -> list[Path]:
 def read_config(path: Path) -> dict:
     if not (path / "config.json").is_file():
         raise EagletError(f"{path} has no config.json: give the directory of a draft checkpoint")
-    return json.loads((path / "config.json").read_text())
+    return read_json_file(path / "config.json", "draft config")
 
 
 def tensor_meta(path: Path) -> dict[str, tuple[list[int], str]]:
@@ -522,10 +522,7 @@ def read_reference(path: str | Path) -> dict:
     file = p / "config.json" if p.is_dir() else p
     if not file.is_file():
         raise EagletError(f"draft.like {path} is neither a config file nor a directory with config.json")
-    try:
-        ref = json.loads(file.read_text())
-    except ValueError:
-        raise EagletError(f"draft.like {file} is not valid JSON") from None
+    ref = read_json_file(file, "draft.like")
     if is_nested(ref):
         raise EagletError(f"draft.like {file} is a speculators config: give the flat config (`eaglet flatten` it)")
     missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size") if k not in ref]

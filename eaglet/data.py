@@ -61,8 +61,8 @@ def read_conversations(path: str | Path) -> list[list[dict]]:
     if not path.is_file():
         raise EagletError(f"dataset {path} does not exist")
     rows = []
-    with path.open() as f:
-        for line_no, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for line_no, line in _lines(f, path):
             if not line.strip():
                 continue
             try:
@@ -76,6 +76,15 @@ def read_conversations(path: str | Path) -> list[list[dict]]:
     if not rows:
         raise EagletError(f"dataset {path} is empty")
     return rows
+
+
+def _lines(f, path: Path):
+    """Numbered lines of a text file read as bytes; a line that is not UTF-8 is one sentence, not a traceback."""
+    for line_no, raw in enumerate(f, 1):
+        try:
+            yield line_no, raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise EagletError(f"dataset {path} line {line_no} is not UTF-8 text: save the file as UTF-8 JSONL") from None
 
 
 def prompt_part(messages: list[dict]) -> list[dict]:

@@ -6,13 +6,12 @@ Nothing here loads weights. Every check that can fail on user input runs here, b
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
 from pathlib import Path
 
 from pydantic import BaseModel
 
-from eaglet.errors import EagletError
+from eaglet.errors import EagletError, read_json_file
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -37,7 +36,7 @@ def read_config_dict(path: Path) -> dict:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise EagletError(f"verifier {path} has no config.json: point verifier.path at a Hugging Face checkpoint directory")
-    return json.loads(cfg_file.read_text())
+    return read_json_file(cfg_file, "verifier config")
 
 
 def text_config_of(cfg: dict) -> dict:
