@@ -127,8 +127,8 @@ def generate_and_capture(engine: Engine, tokenizer_path: str, conversations_file
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
-    requests, skipped = plan_requests(tok, read_conversations(conversations_file), regenerate, max_seq_len,
-                                      responses_per_prompt)
+    rows = read_conversations(conversations_file)
+    requests, skipped = plan_requests(tok, rows, regenerate, max_seq_len, responses_per_prompt)
     for i, req in enumerate(requests):
         req["sample"] = i
     shards = [list(range(b, min(b + batch_size, len(requests)))) for b in range(0, len(requests), batch_size)]
@@ -163,8 +163,7 @@ def generate_and_capture(engine: Engine, tokenizer_path: str, conversations_file
                     f.cancel()
     seconds = time.perf_counter() - t0
 
-    samples, freq, rows = [], Counter(), read_conversations(conversations_file)
-    answers = []
+    samples, freq, answers = [], Counter(), []
     for rec in read_records(hs_dir):
         for i, mask, row, text in zip(rec["samples"], rec["loss_masks"], rec["rows"],
                                       rec.get("responses") or [None] * len(rec["samples"])):
