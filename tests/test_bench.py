@@ -31,7 +31,8 @@ def test_bench_fills_every_row(tiny_verifier, tmp_path):
     assert o["cold_s"] > 0 and len(o["cached_s"]) == 2
     assert o["cached_states"] == ["Cached"]  # every content-keyed task was a cache hit
     changed = o["training_change_states"]
-    assert changed["extract-hidden-states"] == "Cached" and changed["train-draft"] == "Completed"
+    assert changed["generate-and-capture"] == "Cached" and changed["train-draft"] == "Completed"
+    assert "load-verifier" not in changed  # a cached data pass starts no engine
     assert all(o["memory"][t] for t in ("load-verifier", "generate-and-capture", "train-draft"))
     assert [k["k"] for k in d["k"]] == [1, 2]
     for k in d["k"]:
