@@ -183,21 +183,29 @@ def test_a_run_against_a_served_verifier_loads_nothing(tiny_verifier, session_di
             line = server.stdout.readline()
             assert line or server.poll() is None, "eaglet verifier serve exited"
         endpoint = f"http://127.0.0.1:{port}"
+        own = {"EAGLET_HOME": str(session_dir / "served-store")}  # not the e2e run's store: its tasks must build
         wrong = run_cli(["run", *sets, "--set=verifier.aux_layer_ids=[1,3,5]", f"--set=verifier.endpoint={endpoint}",
-                         "--output-dir", str(session_dir / "wrong-endpoint")])
+                         "--output-dir", str(session_dir / "wrong-endpoint")], env_extra=own)
         assert wrong.returncode == 2 and "captures other layers" in wrong.stderr, wrong.stderr[-2000:]
         assert "load-verifier" not in wrong.stdout + wrong.stderr
         out = session_dir / "served"
         proc = run_cli(["run", *sets, "--set=data.max_new_tokens=40", "--set=training.epochs=1",
-                        "--set=smoke.enabled=false", f"--set=verifier.endpoint={endpoint}", "--output-dir", str(out)])
+                        "--set=smoke.enabled=false", f"--set=verifier.endpoint={endpoint}", "--output-dir", str(out)],
+                       env_extra=own)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         r = json.loads((out / "report.json").read_text())
         assert r["verifier_loads"] == 0 and r["engine_loads"]["data"] == 0
         assert r["tasks"]["generate-and-capture"]["state"] == "Completed"
         assert r["extraction"]["samples"] > 0 and r["extraction"]["generated_tokens"] > 0
     finally:
-        os.killpg(server.pid, signal.SIGINT)
-        server.wait(timeout=120)
+        server.send_signal(signal.SIGTERM)  # the CLI stops its engine, then exits
+        try:
+            server.wait(timeout=120)
+        finally:
+            try:
+                os.killpg(server.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.mark.skipif(visible_accelerators() > 0, reason="the checks of a machine without a GPU")
