@@ -90,13 +90,17 @@ def measure_baseline(verifier: str, prompts: list[list[dict]], out: Path, max_to
     """The verifier alone on the prompts: greedy token ids, tokens/s, its engine's start; written to
     out/baseline.json with when and on which machine it was measured."""
     check_load_format(load_format)
-    base = run_vllm_job(_job(verifier, prompts, max_tokens, max_model_len, dtype, load_format))
-    baseline = {"token_ids": base["token_ids"], "tokens_per_s": base["tokens_per_s"], "seconds": base["seconds"],
-                "output_tokens": base["output_tokens"], "load_seconds": base["load_seconds"],
-                "num_prompts": len(prompts), "host": socket.gethostname(), "machine": machine_kind(),
-                "measured_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    baseline = _baseline(run_vllm_job(_job(verifier, prompts, max_tokens, max_model_len, dtype, load_format)))
     (out / BASELINE_FILE).write_text(json.dumps(baseline))
     return baseline
+
+
+def _baseline(base: dict) -> dict:
+    """A verifier-alone vLLM job's result as a baseline: what it produced, how fast, when and where."""
+    return {"token_ids": base["token_ids"], "tokens_per_s": base["tokens_per_s"], "seconds": base["seconds"],
+            "output_tokens": base["output_tokens"], "load_seconds": base["load_seconds"],
+            "num_prompts": len(base["token_ids"]), "host": socket.gethostname(), "machine": machine_kind(),
+            "measured_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
 def read_baseline(baseline_dir: str | Path) -> dict:
@@ -115,10 +119,7 @@ def smoke_test(
     job = _job(verifier, prompts, max_tokens, max_model_len, dtype, load_format)
     reused = baseline is not None
     if baseline is None:
-        base = run_vllm_job(job)
-        baseline = {"token_ids": base["token_ids"], "tokens_per_s": base["tokens_per_s"],
-                    "load_seconds": base["load_seconds"], "host": socket.gethostname(),
-                    "measured_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        baseline = _baseline(run_vllm_job(job))
     elif len(baseline["token_ids"]) != len(prompts):
         raise EagletError(f"the baseline has {len(baseline['token_ids'])} prompts, the smoke-load {len(prompts)}")
     spec = run_vllm_job(dict(job, draft=str(draft), k=k))
