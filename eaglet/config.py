@@ -44,7 +44,13 @@ class DataParams(_Section):
         "Empty: the prompts file shipped with eaglet.",
     )
     max_seq_len: int = Field(1024, ge=16, le=131072, description="Tokens per sample after the chat template.")
-    num_eval: int = Field(40, ge=1, le=100000, description="Rows held out for evaluation (smoke prompts).")
+    eval_path: str | None = Field(
+        None, description="A fixed held-out file (same shapes as data.path): its prompts are the smoke prompts and are "
+        "never trained on. Empty: rows are held out by their digest (data.eval_fraction); for the shipped prompts, "
+        "their own fixed 40 held-out rows.")
+    eval_fraction: float = Field(
+        0.04, gt=0.0, lt=1.0, description="Share of rows held out when there is no data.eval_path. A row is held "
+        "out or not by its prompt's digest and data.seed alone: appending rows never moves an old one.")
     max_samples: int | None = Field(None, ge=1, le=100_000_000, description="Use at most this many training rows.")
     regenerate: bool = Field(
         True, description="Answer every prompt with the verifier (vLLM) so the draft learns its own outputs."
@@ -54,7 +60,7 @@ class DataParams(_Section):
     )
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="Regeneration temperature (0 = greedy).")
     responses_per_prompt: int = Field(1, ge=1, le=16, description="Responses sampled per prompt.")
-    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for the split and sampling.")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for the held-out split and for sampling.")
 
 
 class ExtractionParams(_Section):
@@ -101,6 +107,13 @@ class TrainingParams(_Section):
     ttt_steps: int = Field(3, ge=1, le=8, description="Test-time-training steps (positions trained).")
     total_seq_len: int = Field(1024, ge=64, le=1_048_576, description="Tokens packed per training batch.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Training seed.")
+    init: str = Field(
+        "scratch", min_length=1, description="Where training starts: 'scratch'; 'previous', the most recent draft "
+        "trained in this store for the same verifier and draft shape (its vocabulary mapping is kept); or the "
+        "directory of a speculators checkpoint.")
+    warm_epochs: int | None = Field(
+        None, ge=1, le=1000, description="Epochs when training starts from a previous draft (it needs fewer). "
+        "Empty: training.epochs.")
     cpu_dtype: Literal["bfloat16", "float32"] = Field(
         "bfloat16", description="Autocast dtype when training on CPU (GPUs always use bfloat16)."
     )
@@ -124,6 +137,9 @@ class SmokeParams(_Section):
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="vLLM compute dtype. float32 keeps greedy outputs bit-comparable (lossless check)."
     )
+    min_acceptance: float | None = Field(
+        None, ge=1.0, le=17.0, description="Quality gate: the run fails (after writing its report) when the draft's "
+        "mean acceptance length is below this. A draft that is not lossless always fails.")
     load_format: Literal["auto", "safetensors", "fastsafetensors", "runai_streamer"] = Field(
         "auto", description="vLLM's weight loader for the smoke engines. auto: vLLM's default. On GPU hosts "
         "fastsafetensors (GPU-direct reads) or runai_streamer (concurrent streaming) load large verifiers faster; "

@@ -1,14 +1,14 @@
 """Conversations in, tokenized training samples out.
 
-Stage 1 (`prepare_conversations`): read JSONL in the common shapes, normalise to OpenAI-style messages, and
-hold out an evaluation split. Stage 2 (`tokenize_conversations`): apply the verifier's chat template, mask the
+Stage 1: read JSONL in the common shapes, normalise to OpenAI-style messages, and hold out an evaluation
+split that depends on each row's content alone (or a fixed eval file). Stage 2 (`tokenize_conversations`): apply the verifier's chat template, mask the
 loss to assistant tokens, truncate, and count token frequencies over the loss-masked tokens.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import random
 from collections import Counter
 from pathlib import Path
 
@@ -20,6 +20,7 @@ ROLE_ALIASES = {
     "system": "system",
 }
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "prompts.jsonl"
+DEFAULT_EVAL = DEFAULT_PROMPTS.with_name("eval.jsonl")  # the shipped prompts' fixed held-out rows (a subset)
 
 
 def _turns(raw: list, line_no: int, key_role: str, key_text: str) -> list[dict]:
@@ -93,18 +94,44 @@ def prompt_part(messages: list[dict]) -> list[dict]:
     return messages if last is None else messages[:last]
 
 
-def split_conversations(
-    rows: list[list[dict]], num_eval: int, seed: int, max_samples: int | None = None
-) -> tuple[list[list[dict]], list[list[dict]]]:
-    if len(rows) <= num_eval:
-        raise EagletError(f"dataset has {len(rows)} rows, not more than data.num_eval={num_eval}; lower num_eval")
-    order = list(range(len(rows)))
-    random.Random(seed).shuffle(order)
-    eval_rows = [rows[i] for i in order[:num_eval]]
-    train_rows = [rows[i] for i in order[num_eval:]]
+def row_digest(messages: list[dict]) -> str:
+    """A conversation's identity: the digest of its normalised messages (whatever shape its line had)."""
+    return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:20]
+
+
+def held_out(messages: list[dict], seed: int, fraction: float) -> bool:
+    """Whether a row is held out: a function of its prompt's digest and the seed alone, so adding, removing or
+    reordering other rows never moves it between train and eval (two answers to one prompt stay together)."""
+    h = hashlib.sha256(f"{seed}:{row_digest(prompt_part(messages))}".encode()).hexdigest()
+    return int(h[:15], 16) / 16**15 < fraction
+
+
+def split_conversations(rows: list[list[dict]], eval_fraction: float, seed: int, max_samples: int | None = None,
+                        eval_rows: list[list[dict]] | None = None) -> tuple[list[list[dict]], list[list[dict]], dict]:
+    """(train, held out, counts). Rows are deduplicated and sorted by digest, so the split and the order do not
+    depend on the file's order. With `eval_rows` (a fixed eval file) those are the held-out set and any training
+    row with one of their prompts is dropped (the held-out prompts stay unseen)."""
+    unique = {row_digest(m): m for m in rows}
+    counts = {"rows": len(rows), "duplicates": len(rows) - len(unique), "eval_overlap": 0}
+    ordered = [unique[d] for d in sorted(unique)]
+    if eval_rows is not None:
+        held = sorted(eval_rows, key=row_digest)
+        eval_prompts = {row_digest(prompt_part(m)) for m in held}
+        train = [m for m in ordered if row_digest(prompt_part(m)) not in eval_prompts]
+        counts["eval_overlap"] = len(ordered) - len(train)
+    else:
+        held = [m for m in ordered if held_out(m, seed, eval_fraction)]
+        train = [m for m in ordered if not held_out(m, seed, eval_fraction)]
+        if not held:
+            raise EagletError(f"no row of {len(ordered)} falls in the held-out split (data.eval_fraction="
+                              f"{eval_fraction}); raise data.eval_fraction or give a fixed data.eval_path")
+    if not train:
+        raise EagletError("no training row is left after holding out the evaluation rows; add rows or lower "
+                          "data.eval_fraction")
     if max_samples is not None:
-        train_rows = train_rows[:max_samples]
-    return train_rows, eval_rows
+        train = train[:max_samples]
+    counts.update(train=len(train), eval=len(held))
+    return train, held, counts
 
 
 def check_has_responses(rows: list[list[dict]]) -> None:

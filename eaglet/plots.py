@@ -75,3 +75,25 @@ def acceptance_per_position(per_position: list[float], mean_length: float, k: in
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def acceptance_history(rows: list[dict], out: Path) -> Path | None:
+    """eaglet.history rows: mean acceptance length per kept draft, oldest first; the current one marked."""
+    points = [(i, r) for i, r in enumerate(rows) if r["acceptance"] is not None]
+    if not points:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=90)
+    ax.plot([i for i, _ in points], [r["acceptance"] for _, r in points], "o-", color="tab:blue")
+    for i, r in points:
+        if r["current"]:
+            ax.plot([i], [r["acceptance"]], "*", markersize=16, color="tab:orange", label="current")
+    ax.set_xticks([i for i, _ in points], [r["draft"][:6] for _, r in points], rotation=45, fontsize=7)
+    ax.set_xlabel("draft (oldest first)")
+    ax.set_ylabel("mean acceptance length")
+    ax.grid(alpha=0.3)
+    if any(r["current"] for _, r in points):
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 from eaglet.config import RunConfig
@@ -113,6 +114,25 @@ def render_markdown(report: dict) -> str:
             lines.append(f"- verifier alone measured {s['baseline_measured']}" + (kept if s.get("baseline_reused") else ""))
         if plots.get("acceptance"):
             lines += ["", f"![acceptance per position]({plots['acceptance']})"]
+    p = report.get("promotion")
+    if p:
+        lines += ["", "## Promotion", "", f"- {p['reason']}"]
+        if report.get("gate_failure"):
+            lines.append(f"- quality gate: **failed**: {report['gate_failure']}")
+    hist = report.get("history") or []
+    if hist:
+        from eaglet.history import when
+
+        lines += ["", "## Draft history (this directory)", "", "| finished | draft | mean acceptance | per position "
+                  "| lossless | rows | warm start | current |", "|---|---|---:|---|---|---:|---|---|"]
+        for h in hist:
+            acc = f"{h['acceptance']:.3f}" if h["acceptance"] is not None else "-"
+            per = ", ".join(f"{a:.3f}" for a in h["per_position"] or [])
+            lines.append(f"| {when(h['finished'])} | `{h['draft']}` | {acc} | {per} | {h['lossless']} | "
+                         f"{h['training_rows'] or '-'} | {'yes' if h['init'] else 'no'} | "
+                         f"{'**current**' if h['current'] else ''} |")
+        if plots.get("history"):
+            lines += ["", f"![mean acceptance length over the draft history]({plots['history']})"]
     diff = report.get("config_difference")
     if diff:
         moved = [r["key"] for r in diff if r["change"] == "moved"]
@@ -168,10 +188,18 @@ def load_seconds(tasks: dict, stats: dict[str, dict], smoke: dict | None) -> dic
 
 
 def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: dict, artifacts: dict[str, str],
-                  verifier_loads: int, smoke: dict | None, engine_loads: dict[str, int] | None = None) -> dict:
+                  verifier_loads: int, smoke: dict | None, engine_loads: dict[str, int] | None = None,
+                  comparison: str | None = None, warm_start: str | None = None) -> dict:
     """artifacts: store paths by stage (data, responses, hidden_states, vocab, checkpoint, draft).
-    verifier_loads: weight loads before training; engine_loads: per stage, every load of the run."""
+    verifier_loads: weight loads before training; engine_loads: per stage, every load of the run.
+    comparison: eaglet.history.comparison_key of the smoke test. Keeps the draft in DIR/drafts/<key> and moves
+    DIR/current to it if it passes the gate and beats the current one (eaglet.history)."""
+    from eaglet import history
+
     out = out.resolve()
+    draft_key = Path(artifacts["draft"]).name
+    failure = history.gate_failure(smoke, params.smoke.min_acceptance)
+    promotion = history.decide(out, draft_key, smoke, comparison, failure)
     draft = publish_dir(_copy_artifact(Path(artifacts["draft"])), out / "draft")
     spec = publish_dir(_copy_artifact(Path(artifacts["checkpoint"])), out / "draft-speculators")
     report = {
@@ -188,6 +216,11 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
         "vocab": _stats(artifacts["vocab"]),
         "params": params.model_dump(),
         "smoke": smoke,
+        "comparison": comparison,
+        "gate_failure": failure,
+        "promotion": promotion,
+        "warm_start": {"from": warm_start} if warm_start else None,
+        "finished": time.time(),
         "config_difference": config_difference(json.loads((spec / "config.json").read_text()),
                                                json.loads((draft / "config.json").read_text())),
         "plots": make_plots(out, artifacts["checkpoint"], smoke),
@@ -203,8 +236,27 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
                                                             "baseline": baseline}, smoke)
     lines = {n: sum(1 for _ in open(Path(artifacts["data"]) / f"{n}.jsonl")) for n in ("train", "eval")}
     report["data_summary"] = f"{lines['train']} training and {lines['eval']} held-out conversations"
-    tmp = out / "report.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(out / "report.json")
+    rows = report["extraction"]
+    if rows.get("rows") is not None:
+        report["data_summary"] += (f"; {rows['rows']} rows captured: {rows['rows_computed']} computed by this run, "
+                                   f"{rows['rows_reused']} reused")
+    _write_json(out / "report.json", report)
+    history.keep(out, draft_key, promotion["promoted"])  # keeps this report.json (a hard link) beside the draft
+    report["history"] = history.history(out)
+    if len(report["history"]) > 1 and make_history_plot(out, report["history"]):
+        report["plots"]["history"] = "history.png"
+    _write_json(out / "report.json", report)  # a new file: the kept link still holds the run's own report
     (out / "report.md").write_text(render_markdown(report))
     return report
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    tmp.replace(path)
+
+
+def make_history_plot(out: Path, rows: list[dict]) -> bool:
+    from eaglet.plots import acceptance_history
+
+    return acceptance_history(rows, out / "history.png") is not None

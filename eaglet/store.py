@@ -196,7 +196,7 @@ def publish(kind: str, key: str, build: Callable[[Path], dict[str, str] | None],
             "built_by": {"pid": os.getpid(), "host": socket.gethostname()},
             "versions": _library_versions(),
             "files": files,
-            "bytes": sum(f["bytes"] for f in files.values()),
+            "bytes": sum(f["bytes"] for rel, f in files.items() if not (work / rel).is_symlink()),  # own bytes
         }
         (work / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
         os.rename(work, final)
@@ -268,11 +268,13 @@ def leftovers(root: Path | None = None) -> list[Path]:
 def gc(older_than_s: float | None = None, keep_last: int | None = None, dry_run: bool = False,
        root: Path | None = None) -> list[dict]:
     """Delete artifacts unused for `older_than_s` seconds, keeping the `keep_last` most recently used of each
-    kind. An artifact a live run holds (shared lock) or is building (exclusive lock) is never deleted."""
+    kind. An artifact a live run holds (shared lock) or is building (exclusive lock) is never deleted, nor one
+    that a kept artifact links (a dataset view's rows: manifest `inputs.links`)."""
     now, removed = time.time(), []
     by_kind: dict[str, list[dict]] = {}
     for a in list_artifacts(root):
         by_kind.setdefault(a["kind"], []).append(a)
+    doomed = []
     for items in by_kind.values():
         items.sort(key=lambda a: -a["last_used"])
         for rank, a in enumerate(items):
@@ -280,15 +282,22 @@ def gc(older_than_s: float | None = None, keep_last: int | None = None, dry_run:
                 continue
             if older_than_s is not None and now - a["last_used"] < older_than_s:
                 continue
-            path = Path(a["path"])
-            with _flock(path, fcntl.LOCK_EX, wait=False) as free:
-                if not free:
-                    a["skipped"] = "in use"
-                elif not dry_run:
-                    doomed = path.parent / f".deleting-{path.name}-{uuid.uuid4().hex[:8]}"
-                    os.rename(path, doomed)  # gone for readers at once; then removed
-                    shutil.rmtree(doomed)
-            removed.append(a)
+            doomed.append(a)
+    doomed_paths = {a["path"] for a in doomed}
+    linked = {str(artifact_path(kind, key, root)) for a in list_artifacts(root) if a["path"] not in doomed_paths
+              for kind, keys in _links(Path(a["path"])).items() for key in keys}
+    for a in doomed:
+        if a["path"] in linked:
+            continue
+        path = Path(a["path"])
+        with _flock(path, fcntl.LOCK_EX, wait=False) as free:
+            if not free:
+                a["skipped"] = "in use"
+            elif not dry_run:
+                gone = path.parent / f".deleting-{path.name}-{uuid.uuid4().hex[:8]}"
+                os.rename(path, gone)  # gone for readers at once; then removed
+                shutil.rmtree(gone)
+        removed.append(a)
     for p in leftovers(root):
         if older_than_s is not None and now - p.stat().st_mtime < older_than_s:
             continue
@@ -303,6 +312,11 @@ def gc(older_than_s: float | None = None, keep_last: int | None = None, dry_run:
             shutil.rmtree(p, ignore_errors=True)
         removed.append(entry)
     return removed
+
+
+def _links(path: Path) -> dict[str, list[str]]:
+    """Artifacts this one reads without copying: {kind: [key]} from its manifest's `inputs.links`."""
+    return json.loads((path / MANIFEST).read_text()).get("inputs", {}).get("links", {})
 
 
 def _dir_bytes(path: Path) -> int:

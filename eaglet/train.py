@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from eaglet.config import DraftParams, TrainingParams
+from eaglet.errors import EagletError
 
 
 @contextlib.contextmanager
@@ -125,6 +126,7 @@ def speculators_argv(
     draft_config: Path | None = None,
     multimodal: bool = False,
     states_dtype: str = "bfloat16",
+    init: Path | None = None,
 ) -> list[str]:
     """The `speculators train` arguments for this run (also written to the artifact for reproduction)."""
     flag = lambda name, on: f"--{name}" if on else f"--no-{name}"  # noqa: E731
@@ -160,7 +162,9 @@ def speculators_argv(
         # speculators resolves a mask token (used by DFlash/P-EAGLE, never by EAGLE-3) through AutoProcessor,
         # which for Kimi-K2.5 / VL verifiers loads the image processor (torchvision); an explicit id skips it.
         argv += ["--mask-token-id", str(_any_special_token_id(verifier_path))]
-    if draft_config is not None:  # shapes from a reference draft (draft.like) instead of the verifier
+    if init is not None:  # a warm start: speculators takes every shape from the checkpoint and refuses shaping flags
+        argv += ["--from-pretrained", str(init)]
+    elif draft_config is not None:  # shapes from a reference draft (draft.like) instead of the verifier
         argv += ["--draft-config", str(draft_config)]  # speculators refuses the shaping flags beside it
     else:
         argv += ["--num-layers", "1", "--draft-arch", "llama", "--full-attention-indices", "0"]
@@ -188,6 +192,36 @@ def _any_special_token_id(verifier_path: str) -> int:
         if value is not None:
             return int(value)
     return 0
+
+
+def check_init_dir(path: str | Path) -> None:
+    """training.init given as a path: a speculators EAGLE-3 checkpoint (config + weights), checked before any load."""
+    p = Path(path)
+    if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
+        raise EagletError(f"training.init={path} is not a speculators checkpoint directory (config.json and "
+                          "model.safetensors); use 'scratch', 'previous' or such a directory")
+
+
+def warm_start_weights(draft: Path) -> Path:
+    """What a warm start loads: a stored draft's last epoch checkpoint (float32, as training left it) when it has
+    one, else the directory itself (a delivered draft, bfloat16)."""
+    epochs = draft / "checkpoints"
+    if epochs.is_dir():
+        with contextlib.suppress(RuntimeError):
+            return last_checkpoint(epochs)
+    return draft
+
+
+def find_previous(drafts_dir: Path, shape: str, states: str) -> Path | None:
+    """The most recent stored draft (`drafts_dir/<key>`, manifest inputs) of this shape trained on other data
+    than `states`: a rerun over the same data finds the same draft again, so its training stays cached."""
+    best, newest = None, -1.0
+    for manifest in drafts_dir.glob("*/manifest.json") if drafts_dir.is_dir() else []:
+        m = json.loads(manifest.read_text())
+        inputs = m.get("inputs", {})
+        if inputs.get("shape") == shape and inputs.get("states") != states and m["created"] > newest:
+            best, newest = manifest.parent, m["created"]
+    return best
 
 
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "optimizer_state_dict.pt", "scheduler_state_dict.pt")

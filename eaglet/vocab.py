@@ -28,9 +28,30 @@ def build_vocab_mapping(token_freq: dict[int, int], draft_vocab_size: int, vocab
     d2t, t2d = build_vocab_mappings_from_distribution(
         token_freq_dict=dict(token_freq), draft_vocab_size=draft_vocab_size, target_vocab_size=vocab_size
     )
+    return _save(d2t, t2d, token_freq, out)
+
+
+def kept_vocab_mapping(checkpoint: Path, token_freq: dict[int, int], draft_vocab_size: int, out: Path) -> dict:
+    """A warm start's vocabulary: the d2t / t2d the checkpoint was trained with, unchanged (a new mapping would
+    make its lm_head rows mean other tokens), and how well it covers this run's tokens."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(checkpoint) / "model.safetensors"), "pt") as f:
+        if "d2t" not in f.keys() or "t2d" not in f.keys():
+            raise EagletError(f"{checkpoint} holds no d2t / t2d vocabulary mapping: it is not an EAGLE-3 draft "
+                              "checkpoint from speculators")
+        d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    if d2t.shape[0] != draft_vocab_size:
+        raise EagletError(f"the warm start {checkpoint} has a draft vocabulary of {d2t.shape[0]} tokens, this run "
+                          f"{draft_vocab_size}: set draft.draft_vocab_size={d2t.shape[0]} or training.init=scratch")
+    return _save(d2t, t2d, token_freq, out) | {"kept_from": str(checkpoint)}
+
+
+def _save(d2t, t2d, token_freq: dict[int, int], out: Path) -> dict:
+    """d2t.npy / t2d.npy, and the share of loss-masked tokens the draft vocabulary covers."""
     np.save(out / "d2t.npy", d2t.numpy())
     np.save(out / "t2d.npy", t2d.numpy())
     total = sum(token_freq.values())
-    selected = set((np.arange(draft_vocab_size) + d2t.numpy()).tolist())
+    selected = set((np.arange(d2t.shape[0]) + d2t.numpy()).tolist())
     covered = sum(c for t, c in token_freq.items() if t in selected)
-    return {"draft_vocab_size": draft_vocab_size, "coverage": covered / total if total else 0.0}
+    return {"draft_vocab_size": int(d2t.shape[0]), "coverage": covered / total if total else 0.0}

@@ -11,6 +11,7 @@ from prefect import flow, get_run_logger
 
 from eaglet.config import RunConfig
 from eaglet.data import DEFAULT_PROMPTS
+from eaglet.errors import EagletError
 from eaglet.report import write_outputs
 from eaglet.store import built_by_this_process_since, in_use, is_published
 from tasks import stages
@@ -52,10 +53,10 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
 
         conversations_dir = data_dir
         if stages.extraction_backend(params) == "vllm":
-            # One verifier load for the whole data pass (none when it is cached or an endpoint serves it); the
-            # engine is stopped before training needs the memory, or when the run fails.
+            # One verifier load for the rows the store does not hold (none when every row is known or an endpoint
+            # serves them); the engine is stopped before training needs the memory, or when the run fails.
             engine = None
-            if not stages.capture_is_cached(verifier, data_dir, params):
+            if stages.rows_to_compute(verifier, data_dir, params):
                 engine = run("load-verifier", stages.load_verifier, verifier, params)
                 held.callback(stages.stop_verifier, engine)
             states_dir = run("generate-and-capture", stages.generate_and_capture, verifier, data_dir, engine, params)
@@ -66,8 +67,11 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
                                         params)
             states_dir = run("extract-hidden-states", stages.extract_hidden_states, verifier, conversations_dir,
                              params)
-        vocab_dir = run("build-vocab", stages.build_vocab, verifier, states_dir, params)
-        ckpt_dir = run("train-draft", stages.train_draft, verifier, states_dir, vocab_dir, params)
+        init_dir = None
+        if params.training.init != "scratch":
+            init_dir = run("find-warm-start", stages.find_warm_start, verifier, states_dir, params)
+        vocab_dir = run("build-vocab", stages.build_vocab, verifier, states_dir, init_dir, params)
+        ckpt_dir = run("train-draft", stages.train_draft, verifier, states_dir, vocab_dir, init_dir, params)
         draft_dir = run("export-draft", stages.export_draft, verifier, ckpt_dir, params)
         run("validate-draft", stages.validate_draft, verifier, draft_dir)
         smoke = None
@@ -87,7 +91,11 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
         smoke_loads = sum(1 for name in ("verifier-baseline", "smoke-test")  # one engine each, when it ran
                           if name in t and t[name]["state"] != "Cached")
         report = write_outputs(Path(output_dir), params, verifier, t, artifacts, verifier_loads, smoke,
-                               engine_loads={"data": verifier_loads, "smoke": smoke_loads})
+                               engine_loads={"data": verifier_loads, "smoke": smoke_loads},
+                               comparison=stages.comparison_key(verifier, data_dir, params), warm_start=init_dir)
         publish_report(str(Path(output_dir).resolve()))  # the report, tables, plots and links in the UI
-    log.info(f"draft written to {report['draft_dir']}; report at {Path(output_dir) / 'report.md'}")
+    log.info(f"draft written to {report['draft_dir']}; report at {Path(output_dir) / 'report.md'}; "
+             f"{report['promotion']['reason']}")
+    if report["gate_failure"]:  # after the report: a failed CI job still shows what the draft reached
+        raise EagletError(f"quality gate: {report['gate_failure']}")
     return report

@@ -54,12 +54,6 @@ def _not_user_error(_task, _run, state) -> bool:
     return not isinstance(exc, EagletError)
 
 
-def file_digest(path: str | Path) -> str:
-    if not Path(path).is_file():
-        return "missing"  # the task itself reports the problem
-    return store.file_sha256(Path(path))[:16]
-
-
 # --- verifier -----------------------------------------------------------------------------------------------
 
 def embedded_key() -> str:
@@ -102,6 +96,10 @@ def resolve_verifier(path: str, cfg: RunConfig) -> VerifierInfo:
             raise EagletError("verifier.endpoint is a vLLM capture server: it needs extraction.backend vllm or auto")
         attach_engine(info, cfg)  # a wrong or unreachable endpoint is refused here, before any work
     check_draft_vocab_size(cfg.draft.draft_vocab_size, info.vocab_size)
+    if cfg.training.init not in ("scratch", "previous"):
+        from eaglet.train import check_init_dir
+
+        check_init_dir(cfg.training.init)
     if cfg.draft.like:
         check_reference(read(cfg.draft.like), info.hidden_size, info.vocab_size, cfg.draft.like)
     get_run_logger().info(
@@ -113,25 +111,46 @@ def resolve_verifier(path: str, cfg: RunConfig) -> VerifierInfo:
 
 # --- data ---------------------------------------------------------------------------------------------------
 
-def data_key(data_file: str, cfg: RunConfig) -> str:
+def eval_file(cfg: RunConfig) -> str | None:
+    """The fixed held-out file, if any: data.eval_path, or for the shipped prompts their own."""
+    return cfg.data.eval_path or (str(data_mod.DEFAULT_EVAL) if cfg.data.path is None else None)
+
+
+def _split(data_file: str, cfg: RunConfig):
     d = cfg.data
-    return _key("data", file=file_digest(data_file), num_eval=d.num_eval, seed=d.seed, max_samples=d.max_samples)
+    held = data_mod.read_conversations(eval_file(cfg)) if eval_file(cfg) else None
+    return data_mod.split_conversations(data_mod.read_conversations(data_file), d.eval_fraction, d.seed,
+                                        d.max_samples, held)
+
+
+def data_key(data_file: str, cfg: RunConfig) -> str:
+    """The rows themselves (digests, in digest order), not the file: reordering rows changes nothing, and a new
+    row changes only what it has to."""
+    if not Path(data_file).is_file() or (eval_file(cfg) and not Path(eval_file(cfg)).is_file()):
+        return _key("data", missing=[data_file, eval_file(cfg)])  # the task itself reports the problem
+    train, held, _ = _split(data_file, cfg)
+    return _key("data", train=store.digest([data_mod.row_digest(m) for m in train]),
+                eval=store.digest([data_mod.row_digest(m) for m in held]))
 
 
 @task(name="prepare-data", cache_key_fn=_cache_key("data", data_key), persist_result=True)
 def prepare_data(data_file: str, cfg: RunConfig) -> str:
-    """Normalise the conversations and hold out the evaluation split: DIR/train.jsonl, DIR/eval.jsonl."""
-    rows = data_mod.read_conversations(data_file)
-    train, held_out = data_mod.split_conversations(rows, cfg.data.num_eval, cfg.data.seed, cfg.data.max_samples)
+    """Normalise the conversations and hold out the evaluation rows: DIR/train.jsonl, DIR/eval.jsonl (both
+    deduplicated and in digest order)."""
+    train, held_out, counts = _split(data_file, cfg)
     if not cfg.data.regenerate:
         data_mod.check_has_responses(train)
 
     def build(tmp: Path) -> None:
         data_mod.write_conversations(tmp / "train.jsonl", train)
         data_mod.write_conversations(tmp / "eval.jsonl", held_out)
+        (tmp / "stats.json").write_text(json.dumps(counts))
 
-    get_run_logger().info(f"{len(train)} training and {len(held_out)} held-out conversations")
-    return str(store.publish("data", data_key(data_file, cfg), build, inputs={"file": data_file}))
+    dropped = ", ".join(f"{counts[k]} {k.replace('_', ' ')}" for k in ("duplicates", "eval_overlap") if counts[k])
+    get_run_logger().info(f"{len(train)} training and {len(held_out)} held-out conversations"
+                          + (f" (dropped: {dropped})" if dropped else ""))
+    return str(store.publish("data", data_key(data_file, cfg), build, inputs={"file": data_file,
+                                                                               "eval": eval_file(cfg)}))
 
 
 def regen_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
@@ -180,22 +199,31 @@ def extraction_key(verifier: VerifierInfo, conversations_dir: str, cfg: RunConfi
 
 # --- the one data pass (backend vllm): one engine generates and captures -------------------------------------
 
-def capture_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig, engine=None) -> str:
-    """engine: which server computes it, not what (the endpoint must serve this verifier's fingerprint)."""
-    from eaglet.capture import CAPTURE_VERSIONS
+def capture_settings(verifier: VerifierInfo, cfg: RunConfig) -> dict:
+    from eaglet.capture.vllm import capture_settings as settings
 
     d = cfg.data
-    generation = dict(max_new_tokens=d.max_new_tokens, temperature=d.temperature, n=d.responses_per_prompt,
-                      seed=d.seed) if d.regenerate else None
-    return _key("hidden_states", verifier=verifier.fingerprint, data=Path(data_dir).name, generation=generation,
-                aux=verifier.aux_layer_ids, max_seq_len=d.max_seq_len, dtype=cfg.extraction.dtype,
-                extractor=CAPTURE_VERSIONS["vllm"])
+    return settings(len(verifier.aux_layer_ids) + 1, d.max_seq_len, cfg.extraction.dtype, d.regenerate,
+                    d.max_new_tokens, d.temperature, d.responses_per_prompt, d.seed)
 
 
-def capture_is_cached(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> bool:
-    """Whether the data pass has nothing to do, so the flow starts no engine for it."""
+def capture_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig, engine=None) -> str:
+    """The run's dataset view; its rows are keyed each on its own (eaglet.capture.rows). engine: which server
+    computes it, not what (the endpoint must serve this verifier's fingerprint)."""
+    return _key("hidden_states", verifier=verifier.fingerprint, aux=verifier.aux_layer_ids,
+                data=Path(data_dir).name, settings=capture_settings(verifier, cfg))
+
+
+def rows_to_compute(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> int:
+    """How many rows the data pass sends to the verifier (0: no engine is started for it)."""
+    from eaglet.capture.vllm import plan_rows, rows_to_compute as todo
+
     path = store.artifact_path("hidden_states", capture_key(verifier, data_dir, cfg))
-    return store.is_published(path) and store.intact(path)
+    if store.is_published(path) and store.intact(path):
+        return 0
+    planned, _ = plan_rows(verifier.path, Path(data_dir) / "train.jsonl", verifier.fingerprint,
+                           capture_settings(verifier, cfg), verifier.trust_remote_code)
+    return len(todo(planned))
 
 
 def engine_max_model_len(cfg: RunConfig) -> int:
@@ -242,31 +270,34 @@ def stop_verifier(engine) -> None:
 @task(name="generate-and-capture", cache_key_fn=_cache_key("hidden_states", capture_key), persist_result=True,
       retries=1, retry_delay_seconds=10, retry_condition_fn=_not_user_error)
 def generate_and_capture(verifier: VerifierInfo, data_dir: str, engine, cfg: RunConfig) -> str:
-    """One pass through the engine: the verifier answers every training prompt and its hidden states over prompt
-    + answer are saved in the same requests (data.regenerate=false: the given conversations, prefill-only)."""
+    """One pass through the engine over the rows the store does not hold yet: the verifier answers each training
+    prompt and its hidden states over prompt + answer are saved in the same requests (data.regenerate=false: the
+    given conversations, prefill-only); then the run's dataset is assembled from all its rows."""
     from eaglet.capture.vllm import generate_and_capture as one_pass
 
     log = get_run_logger()
     d, e = cfg.data, cfg.extraction
+    inputs: dict = {}  # filled by build, written into the manifest after it: the rows the view links
 
-    def build(work: Path) -> dict[str, str]:  # runs only if the artifact is not already published
-        if engine is None:
-            raise RuntimeError("generate-and-capture has work to do but no verifier engine was started")
-        progress = Progress("capture", "generating and capturing" if d.regenerate else "capturing", "shards")
+    def build(work: Path) -> dict[str, str]:  # runs only if the view is not already published
+        progress = Progress("capture", "generating and capturing" if d.regenerate else "capturing", "rows")
         stats = one_pass(engine, verifier.path, Path(data_dir) / "train.jsonl", work, len(verifier.aux_layer_ids) + 1,
-                         d.max_seq_len, e.batch_size, e.dtype, d.regenerate, d.max_new_tokens, d.temperature,
-                         d.responses_per_prompt, d.seed, verifier.trust_remote_code, progress)
+                         d.max_seq_len, e.dtype, d.regenerate, d.max_new_tokens, d.temperature,
+                         d.responses_per_prompt, d.seed, verifier.trust_remote_code, progress,
+                         fingerprint=verifier.fingerprint)
         progress.close()
         file_digests = stats.pop("file_sha256")
+        inputs["links"] = {"rows": stats.pop("rows_linked")}
         (work / "stats.json").write_text(json.dumps(stats))
-        if stats["resumed_shards"]:
-            log.info(f"resumed: {stats['resumed_shards']} of {stats['shards']} shards were already done")
-        log.info(f"{stats['samples']} samples, {stats['generated_tokens']} tokens generated; captured "
-                 f"{stats['extracted_tokens']} tokens at {stats['tokens_per_s']:.0f} tokens/s")
+        log.info(f"{stats['rows']} rows: {stats['rows_computed']} computed, {stats['rows_reused']} reused from "
+                 f"earlier runs; {stats['samples']} samples")
+        if stats["rows_computed"]:
+            log.info(f"{stats['generated_tokens']} tokens generated; captured {stats['extracted_tokens']} tokens at "
+                     f"{stats['tokens_per_s']:.0f} tokens/s")
         return file_digests
 
     with store.in_use(data_dir):
-        return str(store.publish("hidden_states", capture_key(verifier, data_dir, cfg), build, resumable=True))
+        return str(store.publish("hidden_states", capture_key(verifier, data_dir, cfg), build, inputs=inputs))
 
 
 # --- the hf backend: regenerate-responses (vLLM) then extract-hidden-states (transformers) --------------------
@@ -309,32 +340,86 @@ def extract_hidden_states(verifier: VerifierInfo, conversations_dir: str, cfg: R
         return str(store.publish("hidden_states", key, build, resumable=True))
 
 
-def vocab_key(verifier: VerifierInfo, states_dir: str, cfg: RunConfig) -> str:
-    return _key("vocab", states=Path(states_dir).name, draft_vocab_size=cfg.draft.draft_vocab_size)
+def draft_shape(verifier: VerifierInfo, cfg: RunConfig) -> str:
+    """What a warm start must share with the draft it continues: verifier, layers it reads, draft settings."""
+    from eaglet.convert import read_reference
+
+    like = read_reference(cfg.draft.like) if cfg.draft.like else None
+    return store.digest({"verifier": verifier.fingerprint, "aux": verifier.aux_layer_ids, "like": like,
+                         "draft": cfg.draft.model_dump(exclude={"like"})})
+
+
+@task(name="find-warm-start")
+def find_warm_start(verifier: VerifierInfo, states_dir: str, cfg: RunConfig) -> str | None:
+    """training.init resolved to a checkpoint directory (None: from scratch). 'previous' is the newest stored draft
+    of this shape trained on other data; none yet (a first night) means from scratch."""
+    from eaglet.train import find_previous
+
+    init = cfg.training.init
+    if init == "scratch":
+        return None
+    if init != "previous":
+        return str(Path(init).resolve())
+    found = find_previous(store.store_root() / "draft_ckpt", draft_shape(verifier, cfg), Path(states_dir).name)
+    log = get_run_logger()
+    if found is None:
+        log.warning("training.init=previous: no earlier draft of this shape in the store; training from scratch")
+        return None
+    log.info(f"warm start from the previous draft {found.name}")
+    return str(found)
+
+
+def _init_identity(init_dir: str | None) -> str | None:
+    """A stored draft is named by its content key; a directory of the user's by its weights' digest."""
+    if init_dir is None:
+        return None
+    p = Path(init_dir)
+    if p.parent == store.store_root() / "draft_ckpt":
+        return p.name
+    return store.file_sha256(p / "model.safetensors")[:16] if (p / "model.safetensors").is_file() else str(p)
+
+
+def vocab_key(verifier: VerifierInfo, states_dir: str, init_dir: str | None, cfg: RunConfig) -> str:
+    return _key("vocab", states=Path(states_dir).name, draft_vocab_size=cfg.draft.draft_vocab_size,
+                kept_from=_init_identity(init_dir))
 
 
 @task(name="build-vocab", cache_key_fn=_cache_key("vocab", vocab_key), persist_result=True)
-def build_vocab(verifier: VerifierInfo, states_dir: str, cfg: RunConfig) -> str:
+def build_vocab(verifier: VerifierInfo, states_dir: str, init_dir: str | None, cfg: RunConfig) -> str:
+    """The draft vocabulary from this run's token counts, or a warm start's own mapping, kept unchanged."""
     from eaglet.capture.shards import token_freq
-    from eaglet.vocab import build_vocab_mapping
+    from eaglet.train import warm_start_weights
+    from eaglet.vocab import build_vocab_mapping, kept_vocab_mapping
 
     def build(tmp: Path) -> None:
-        stats = build_vocab_mapping(token_freq(Path(states_dir)), cfg.draft.draft_vocab_size, verifier.vocab_size, tmp)
+        freq = token_freq(Path(states_dir))
+        if init_dir:
+            stats = kept_vocab_mapping(warm_start_weights(Path(init_dir)), freq, cfg.draft.draft_vocab_size, tmp)
+        else:
+            stats = build_vocab_mapping(freq, cfg.draft.draft_vocab_size, verifier.vocab_size, tmp)
         (tmp / "stats.json").write_text(json.dumps(stats))
-        get_run_logger().info(f"draft vocab {stats['draft_vocab_size']} covers {stats['coverage']:.1%} of training tokens")
+        get_run_logger().info(f"draft vocab {stats['draft_vocab_size']} covers {stats['coverage']:.1%} of training "
+                              "tokens" + (" (kept from the warm start)" if init_dir else ""))
 
-    return str(store.publish("vocab", vocab_key(verifier, states_dir, cfg), build))
+    return str(store.publish("vocab", vocab_key(verifier, states_dir, init_dir, cfg), build))
 
 
-def training_key(verifier: VerifierInfo, states_dir: str, vocab_dir: str, cfg: RunConfig) -> str:
+def training_key(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_dir: str | None,
+                 cfg: RunConfig) -> str:
     from importlib.metadata import version
 
     from eaglet.convert import read_reference
 
     like = read_reference(cfg.draft.like) if cfg.draft.like else None  # its content, not its path
+    training = cfg.training.model_dump(exclude={"init", "warm_epochs"}) | {"epochs": epochs(init_dir, cfg)}
     return _key("draft_ckpt", states=Path(states_dir).name, vocab=Path(vocab_dir).name, like=like,
-                draft=cfg.draft.model_dump(exclude={"like"}), training=cfg.training.model_dump(),
+                draft=cfg.draft.model_dump(exclude={"like"}), training=training, init=_init_identity(init_dir),
                 speculators=version("speculators"))
+
+
+def epochs(init_dir: str | None, cfg: RunConfig) -> int:
+    t = cfg.training
+    return t.warm_epochs if init_dir and t.warm_epochs else t.epochs
 
 
 def _training_monitor(log, progress: Progress, epochs: int):
@@ -362,37 +447,42 @@ def _training_monitor(log, progress: Progress, epochs: int):
 
 
 @task(name="train-draft", cache_key_fn=_cache_key("draft_ckpt", training_key), persist_result=True)
-def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, cfg: RunConfig) -> str:
-    """Train with speculators; the artifact is the final epoch's checkpoint (nested speculators format)."""
+def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_dir: str | None,
+                cfg: RunConfig) -> str:
+    """Train with speculators (from scratch or from init_dir); the artifact is the final epoch's checkpoint
+    (nested speculators format), every epoch's under checkpoints/."""
     from eaglet.train import (METRICS_FILE, discard_incomplete_checkpoints, last_checkpoint, speculators_argv,
-                              train_draft as train, write_final_draft)
+                              train_draft as train, warm_start_weights, write_final_draft)
 
     log = get_run_logger()
+    n_epochs = epochs(init_dir, cfg)
+    training = cfg.training.model_copy(update={"epochs": n_epochs})
 
     def build(work_dir: Path) -> None:
         work = work_dir / "checkpoints"  # kept across attempts: speculators resumes from the last epoch in it
         for note in discard_incomplete_checkpoints(work):
             log.warning(f"discarded an incomplete checkpoint ({note}); resuming from the one before")
         layer_config = None
-        if cfg.draft.like:
+        if cfg.draft.like and not init_dir:
             from eaglet.convert import read_reference, reference_layer_config, write_json
 
             layer_config = work_dir / "draft_layer_config.json"
             write_json(layer_config, reference_layer_config(read_reference(cfg.draft.like)))
+        init = warm_start_weights(Path(init_dir)) if init_dir else None
         argv = speculators_argv(verifier.path, Path(states_dir), Path(vocab_dir), work, verifier.aux_layer_ids,
-                                cfg.draft.draft_vocab_size, cfg.draft, cfg.training, verifier.trust_remote_code,
+                                cfg.draft.draft_vocab_size, cfg.draft, training, verifier.trust_remote_code,
                                 draft_config=layer_config, multimodal=verifier.nested_text_config,
-                                states_dtype=cfg.extraction.dtype)
+                                states_dtype=cfg.extraction.dtype, init=init)
         (work_dir / "speculators_train_argv.json").write_text(json.dumps(argv))
         progress = Progress("training", "training the draft", "epochs")
-        train(argv, work_dir / METRICS_FILE, _training_monitor(log, progress, cfg.training.epochs))
+        train(argv, work_dir / METRICS_FILE, _training_monitor(log, progress, n_epochs))
         progress.close()
         write_final_draft(last_checkpoint(work), work_dir)  # the top level is the draft; checkpoints/ keeps every epoch
 
-    with store.in_use(states_dir, vocab_dir):
-        return str(store.publish("draft_ckpt", training_key(verifier, states_dir, vocab_dir, cfg), build,
-                                 resumable=True))
-
+    inputs = {"shape": draft_shape(verifier, cfg), "states": Path(states_dir).name, "init": init_dir}
+    with store.in_use(states_dir, vocab_dir, *([init_dir] if init_dir else [])):
+        return str(store.publish("draft_ckpt", training_key(verifier, states_dir, vocab_dir, init_dir, cfg), build,
+                                 inputs=inputs, resumable=True))
 
 
 # --- export and smoke -----------------------------------------------------------------------------------------
@@ -428,13 +518,20 @@ def validate_draft(verifier: VerifierInfo, draft_dir: str) -> list[str]:
     return report.warnings
 
 
+def held_out_prompts(data_dir: str, cfg: RunConfig) -> str:
+    """The smoke prompts' digest: the baseline and the smoke results depend on them, not on the training rows."""
+    from eaglet.smoke import load_prompts
+
+    return store.digest(load_prompts(Path(data_dir) / "eval.jsonl", cfg.smoke.num_prompts))
+
+
 def baseline_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
     """The verifier alone on the held-out prompts: not the draft, not k. The machine's kind is in the key: a
     speed measured on other hardware is not this one's (it is re-measured there)."""
     from eaglet.smoke import machine_kind
 
     s = cfg.smoke
-    return _key("baseline", verifier=verifier.fingerprint, data=Path(data_dir).name, num_prompts=s.num_prompts,
+    return _key("baseline", verifier=verifier.fingerprint, prompts=held_out_prompts(data_dir, cfg),
                 max_tokens=s.max_tokens, dtype=s.dtype, max_model_len=cfg.data.max_seq_len + s.max_tokens,
                 machine=machine_kind())
 
@@ -460,9 +557,20 @@ def verifier_baseline(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> 
         return str(store.publish("baseline", baseline_key(verifier, data_dir, cfg), build))
 
 
+def comparison_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
+    """Which acceptance figures compare (eaglet.history): same verifier, held-out prompts and smoke settings."""
+    from eaglet.history import comparison_key as key
+    from eaglet.smoke import load_prompts
+
+    s = cfg.smoke
+    return key(verifier.fingerprint, load_prompts(Path(data_dir) / "eval.jsonl", s.num_prompts),
+               s.num_speculative_tokens, s.max_tokens, s.dtype)
+
+
 def smoke_key(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseline_dir: str, cfg: RunConfig) -> str:
-    return _key("smoke", verifier=verifier.fingerprint, draft=Path(draft_dir).name, data=Path(data_dir).name,
-                baseline=Path(baseline_dir).name, smoke=cfg.smoke.model_dump())
+    return _key("smoke", verifier=verifier.fingerprint, draft=Path(draft_dir).name,
+                prompts=held_out_prompts(data_dir, cfg),
+                baseline=Path(baseline_dir).name, smoke=cfg.smoke.model_dump(exclude={"min_acceptance"}))
 
 
 @task(name="smoke-test", cache_key_fn=_cache_key("smoke", smoke_key, artifact=False), persist_result=True,

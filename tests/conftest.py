@@ -25,7 +25,6 @@ PROMPTS = ROOT / "data" / "prompts.jsonl"
 # Small but real: the whole flow, speculators training and two vLLM loads, in a few minutes on 2 cores.
 TINY_RUN = [
     "draft.draft_vocab_size=256",
-    "data.num_eval=20",
     "data.max_seq_len=256",
     "data.max_new_tokens=48",
     "training.epochs=4",

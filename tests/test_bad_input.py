@@ -98,7 +98,7 @@ def test_bad_input_fails_before_weights(case, message, tiny_verifier, tmp_path, 
         v = verifier_variant(tiny_verifier, tmp_path, needs_remote_code)
     out = tmp_path / "out"
     with pytest.raises(EagletError, match=message):
-        run_flow(sets + [f"verifier.path={v}", f"data.path={data}", "data.num_eval=10"], out)
+        run_flow(sets + [f"verifier.path={v}", f"data.path={data}", "data.eval_fraction=0.25"], out)
     assert_nothing_loaded_or_written(fresh_store, out)
 
 
@@ -110,7 +110,7 @@ def test_embedded_verifier_parameters_checked_before_conversion(override, messag
     """The embedded verifier's conversion dequantizes weights: bad parameters must fail before it."""
     out = tmp_path / "out"
     with pytest.raises(EagletError, match=message):
-        run_flow([override, f"data.path={data_file(tmp_path, PROMPTS)}", "data.num_eval=10"], out)
+        run_flow([override, f"data.path={data_file(tmp_path, PROMPTS)}", "data.eval_fraction=0.25"], out)
     assert not (fresh_store / "verifier").exists()
     assert_nothing_loaded_or_written(fresh_store, out)
 

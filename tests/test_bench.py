@@ -1,5 +1,6 @@
-"""The benchmark harness, once, on the tiny verifier with minimal sizes: every row is filled and the decoding
-invariants hold. No timing assertions: the numbers are meaningless at this size."""
+"""The benchmark harness, once, on the tiny verifier with minimal sizes: every row is filled with its repeats
+(min / median / max), start-up is itemised, and the decoding invariants hold (no tolerance). No timing
+assertions: the numbers are meaningless at this size."""
 
 from __future__ import annotations
 
@@ -25,9 +26,24 @@ def test_bench_fills_every_row(tiny_verifier, tmp_path):
     r = json.loads(result_file.read_text())
     md = result_file.with_suffix(".md").read_text()
 
-    ex, tr, o, d, s = r["extraction"], r["training"], r["orchestration"], r["decoding"], r["storage"]
-    assert len(ex["pipeline_tokens_per_s"]) == len(ex["bare_tokens_per_s"]) == 2 and ex["ratio"] > 0
-    assert len(tr["pipeline_s"]) == len(tr["direct_s"]) == 2 and tr["ratio"] > 0
+    dp, ex, tr, tl = r["data_pass"], r["extraction"], r["training"], r["training_realistic"]
+    o, d, s = r["orchestration"], r["decoding"], r["storage"]
+    assert r["cpu_model"] and r["cores"] and result_file.name.endswith(f"-{r['date'][:0]}tiny.json")
+    # every ratio row: repeats, sides interleaved, min <= median <= max
+    for row in (dp["steady"], dp["whole"], ex["steady"], tr["steady"], tr["whole"]):
+        for side in ("pipeline", "limit", "ratio"):
+            assert row[side]["n"] == 2 and 0 < row[side]["min"] <= row[side]["median"] <= row[side]["max"], row
+    assert len(dp["pipeline"]) == len(dp["bare"]) == 2 and dp["requests"] > 0
+    assert all(p["generated_tokens"] > 0 and p["startup_s"] > 0 for p in dp["pipeline"] + dp["bare"])
+    assert dp["startup"]["items"]["pipeline"]["engine start (server up)"] > 0
+    assert dp["startup"]["items"]["limit"]["engine start (server up)"] > 0
+    assert len(tr["pipeline"]) == len(tr["direct"]) == 2 and tr["window_steps"] > 0
+    items = tr["startup"]["items"]
+    for name in ("speculators set-up (model, verifier weights, data)", "checkpoint saves", "validation"):
+        assert name in items["pipeline"] and name in items["limit"], name
+    for name in ("final bf16 draft", "store: manifest (sha256 of every file) + rename", "Prefect task start + cache key"):
+        assert name in items["pipeline"], name
+    assert len(tl["pipeline"]) == len(tl["direct"]) == 1 and tl["epochs"] == 2 and tl["tokens"] == 2 * tr["tokens"]
     assert o["cold_s"] > 0 and len(o["cached_s"]) == 2
     assert o["cached_states"] == ["Cached"]  # every content-keyed task was a cache hit
     changed = o["training_change_states"]
@@ -38,10 +54,14 @@ def test_bench_fills_every_row(tiny_verifier, tmp_path):
     for k in d["k"]:
         assert 1.0 <= k["mean_acceptance_length"] <= k["k"] + 1
         assert len(k["acceptance_per_position"]) == k["k"]
-        assert k["tokens_per_s_batched"] > 0 and k["tokens_per_s_batch1"] > 0
+        assert k["tokens_per_s_batched"] > 0
+    [b1] = d["batch1"]["rows"]
+    assert b1["k"] == 1 and len(b1["speedups"]) == len(b1["acceptance_lengths"]) == 2
+    assert all(1.0 <= a <= 2.0 for a in b1["acceptance_lengths"]) and b1["identical_outputs"]
     assert s["bf16"]["nominal"] == (3 + 1) * 128 * 2  # 3 aux layers + the last, hidden 128
     assert s["fp8"]["on_disk"] < s["bf16"]["on_disk"]
-    assert r["checks"] == []
-    for heading in ("extraction, tokens/s", "training, tokens/s", "fully cached rerun", "k=2", "fp8",
-                    "train-draft", "checks: all passed"):
+    assert r["checks"] == []  # includes: no batch-1 speedup above its acceptance length, no tolerance
+    for heading in ("data pass (", "training (1 epoch", "extraction, hf backend", "training start-up",
+                    "data pass start-up", "fully cached rerun", "k=2", "decoding, batch 1", "fp8", "train-draft",
+                    "checks: all passed"):
         assert heading in md, heading

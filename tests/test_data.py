@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from eaglet.data import (assistant_mask, check_has_responses, normalize_row, read_conversations,
-                         split_conversations, tokenize_conversations)
+                         row_digest, split_conversations, tokenize_conversations)
 from eaglet.errors import EagletError
 
 SHAPES = {
@@ -83,14 +83,38 @@ def test_rows_without_assistant_turn_need_regeneration(tmp_path):
         check_has_responses(rows)
 
 
-def test_split_is_deterministic_and_disjoint(tmp_path):
-    rows = [[{"role": "user", "content": str(i)}] for i in range(50)]
-    train, held = split_conversations(rows, 10, seed=3)
-    assert (train, held) == split_conversations(rows, 10, seed=3)
-    assert len(held) == 10 and len(train) == 40
+def test_split_depends_on_each_row_alone(tmp_path):
+    """Held out or not by the row's prompt digest and the seed: appending, removing or reordering other rows never
+    moves a row between train and eval; duplicates collapse; the order is the digests', not the file's."""
+    rows = [[{"role": "user", "content": str(i)}] for i in range(400)]
+    train, held, counts = split_conversations(rows, 0.1, seed=3)
+    assert (train, held) == split_conversations(list(reversed(rows)), 0.1, seed=3)[:2]
+    assert 20 <= len(held) <= 60 and len(train) + len(held) == 400 and counts["duplicates"] == 0
     assert not {r[0]["content"] for r in train} & {r[0]["content"] for r in held}
-    with pytest.raises(EagletError, match="num_eval"):
-        split_conversations(rows, 50, seed=0)
+    grown = rows + [[{"role": "user", "content": f"new {i}"}] for i in range(40)] + rows[:5]  # 5 duplicates
+    train2, held2, counts2 = split_conversations(grown, 0.1, seed=3)
+    assert counts2["duplicates"] == 5
+    assert {r[0]["content"] for r in held} <= {r[0]["content"] for r in held2}  # old held-out rows stay held out
+    assert {r[0]["content"] for r in train} <= {r[0]["content"] for r in train2}
+    assert split_conversations(rows, 0.1, seed=4)[1] != held  # the seed draws another split
+    with pytest.raises(EagletError, match="eval_fraction"):
+        split_conversations(rows[:3], 0.01, seed=0)
+
+
+def test_fixed_eval_file_is_never_trained_on():
+    rows = [[{"role": "user", "content": str(i)}, {"role": "assistant", "content": "a"}] for i in range(20)]
+    fixed = [[{"role": "user", "content": "3"}], [{"role": "user", "content": "7"}]]
+    train, held, counts = split_conversations(rows, 0.5, seed=0, eval_rows=fixed)
+    assert held == sorted(fixed, key=row_digest) and counts["eval_overlap"] == 2 and len(train) == 18
+    assert not {"3", "7"} & {r[0]["content"] for r in train}
+
+
+def test_shipped_eval_rows_are_shipped_prompts():
+    from eaglet.data import DEFAULT_EVAL, DEFAULT_PROMPTS
+
+    prompts = {json.loads(line)["prompt"] for line in DEFAULT_PROMPTS.read_text().splitlines()}
+    held = [json.loads(line)["prompt"] for line in DEFAULT_EVAL.read_text().splitlines()]
+    assert len(held) == len(set(held)) == 40 and set(held) <= prompts
 
 
 def test_default_prompts_file_is_large_and_varied():

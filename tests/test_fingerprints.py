@@ -3,10 +3,12 @@ the key of the artifacts it affects, and each parameter that does not is listed 
 
 import json
 import typing
+from pathlib import Path
 
 import pytest
 
 from eaglet.config import RunConfig
+from eaglet.data import write_conversations
 from eaglet.verifier import VerifierInfo
 from tasks import stages
 
@@ -15,7 +17,12 @@ NOT_IN_KEYS = {
     "verifier.path": "enters as the verifier's content fingerprint (test_verifier_identity_is_in_every_key)",
     "verifier.trust_remote_code": "allows loading; the fingerprint covers the config and files that decide the model",
     "verifier.aux_layer_ids": "enters resolved, as VerifierInfo.aux_layer_ids (test_verifier_identity_is_in_every_key)",
-    "data.path": "enters as the file's sha256 (test_data_file_content_is_in_the_key)",
+    "data.path": "enters as its rows' content (test_data_file_content_is_in_the_key)",
+    "data.eval_path": "enters as its rows' content (test_fixed_eval_file_is_in_the_data_key)",
+    "training.init": "enters resolved, as the warm start's identity (test_warm_start_is_in_the_training_key)",
+    "training.warm_epochs": "enters as the epochs trained, when there is a warm start "
+                            "(test_warm_start_is_in_the_training_key)",
+    "smoke.min_acceptance": "a gate on the smoke result, not a part of it: a stricter gate re-judges a cached result",
     "extraction.backend": "enters resolved ('auto' is hf or vllm), as its extractor version "
                           "(test_extraction_backend_is_in_the_key)",
     "verifier.endpoint": "where the data pass runs, not what: the endpoint must serve verifier.path's fingerprint "
@@ -31,9 +38,15 @@ NOT_IN_KEYS = {
 }
 
 
-def _chain(cfg: RunConfig, verifier: VerifierInfo, data_file: str) -> dict[str, str]:
-    """Every artifact key of a run, each built from its upstream artifact's key as the flow does."""
+def _chain(cfg: RunConfig, verifier: VerifierInfo, data_file: str, init: str | None = None) -> dict[str, str]:
+    """Every artifact key of a run, each built from its upstream artifact's key as the flow does (the data
+    artifact is written for real, beside the data file: the smoke keys read its held-out prompts)."""
     keys = {"data": stages.data_key(data_file, cfg)}
+    data_dir = Path(data_file).parent / keys["data"]
+    if not data_dir.is_dir():
+        data_dir.mkdir()
+        write_conversations(data_dir / "eval.jsonl", stages._split(data_file, cfg)[1])
+    keys["data"] = str(data_dir)
     if stages.extraction_backend(cfg) == "vllm":  # one pass: responses and states in one artifact
         keys["hidden_states"] = stages.capture_key(verifier, keys["data"], cfg)
     else:
@@ -41,8 +54,8 @@ def _chain(cfg: RunConfig, verifier: VerifierInfo, data_file: str) -> dict[str, 
         if cfg.data.regenerate:
             keys["responses"] = conversations = stages.regen_key(verifier, keys["data"], cfg)
         keys["hidden_states"] = stages.extraction_key(verifier, conversations, cfg)
-    keys["vocab"] = stages.vocab_key(verifier, keys["hidden_states"], cfg)
-    keys["draft_ckpt"] = stages.training_key(verifier, keys["hidden_states"], keys["vocab"], cfg)
+    keys["vocab"] = stages.vocab_key(verifier, keys["hidden_states"], init, cfg)
+    keys["draft_ckpt"] = stages.training_key(verifier, keys["hidden_states"], keys["vocab"], init, cfg)
     keys["draft_flat"] = stages.export_key(verifier, keys["draft_ckpt"], cfg)
     keys["baseline"] = stages.baseline_key(verifier, keys["data"], cfg)
     keys["smoke"] = stages.smoke_key(verifier, keys["draft_flat"], keys["data"], keys["baseline"], cfg)
@@ -83,7 +96,7 @@ def verifier():
 @pytest.fixture
 def data_file(tmp_path):
     f = tmp_path / "data.jsonl"
-    f.write_text('{"prompt": "hi"}\n')
+    f.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(400)))
     return str(f)
 
 
@@ -91,7 +104,7 @@ def data_file(tmp_path):
 def test_every_parameter_changes_the_keys_it_affects(section, name, verifier, data_file):
     if f"{section}.{name}" in NOT_IN_KEYS:
         pytest.skip(NOT_IN_KEYS[f"{section}.{name}"])
-    base = RunConfig()
+    base = RunConfig.model_validate({"data": {"path": data_file}})  # rows held out by digest (data.eval_fraction)
     sec = getattr(base, section)
     changed = base.model_copy(update={section: sec.model_copy(update={name: _other_value(sec, name,
                                                                                           getattr(sec, name))})})
@@ -119,6 +132,31 @@ def test_data_file_content_is_in_the_key(tmp_path):
     assert stages.data_key(str(f), RunConfig()) != k1
 
 
+def test_fixed_eval_file_is_in_the_data_key(tmp_path, data_file):
+    f = tmp_path / "eval.jsonl"
+    f.write_text('{"prompt": "question 1"}\n')
+    cfg = RunConfig.model_validate({"data": {"path": data_file, "eval_path": str(f)}})
+    k1 = stages.data_key(data_file, cfg)
+    f.write_text('{"prompt": "question 2"}\n')
+    assert stages.data_key(data_file, cfg) != k1
+    moved = tmp_path / "moved.jsonl"
+    moved.write_text(f.read_text())
+    same = RunConfig.model_validate({"data": {"path": data_file, "eval_path": str(moved)}})
+    assert stages.data_key(data_file, same) == stages.data_key(data_file, cfg)
+
+
+def test_warm_start_is_in_the_training_key(tmp_path, verifier, data_file):
+    cfg = RunConfig.model_validate({"training": {"init": "previous", "warm_epochs": 1}})
+    scratch = _chain(cfg, verifier, data_file)  # 'previous' found nothing: from scratch, training.epochs
+    warm = _chain(cfg, verifier, data_file, init="/store/draft_ckpt/aaaa")
+    other = _chain(cfg, verifier, data_file, init="/store/draft_ckpt/bbbb")
+    assert len({scratch["vocab"], warm["vocab"], other["vocab"]}) == 3  # a warm start keeps its own vocabulary
+    assert len({scratch["draft_ckpt"], warm["draft_ckpt"], other["draft_ckpt"]}) == 3
+    three = cfg.model_copy(update={"training": cfg.training.model_copy(update={"warm_epochs": 3})})
+    assert _chain(three, verifier, data_file, init="/store/draft_ckpt/aaaa")["draft_ckpt"] != warm["draft_ckpt"]
+    assert _chain(three, verifier, data_file)["draft_ckpt"] == scratch["draft_ckpt"]  # not warm: epochs rule
+
+
 def test_reference_content_is_in_the_training_key(tmp_path, verifier, data_file):
     ref = tmp_path / "ref.json"
     ref.write_text(json.dumps({"hidden_size": 128, "num_attention_heads": 2, "intermediate_size": 256,
@@ -140,5 +178,5 @@ def test_extraction_backend_is_in_the_key(verifier, data_file):
 
     hf, vllm, auto = keys("hf"), keys("vllm"), keys("auto")
     assert hf["hidden_states"] != vllm["hidden_states"]  # the backends agree to bf16 rounding, not bit for bit
-    assert hf["draft_ckpt"] != vllm["draft_ckpt"] and hf["data"] == vllm["data"]
+    assert hf["draft_ckpt"] != vllm["draft_ckpt"] and Path(hf["data"]).name == Path(vllm["data"]).name
     assert auto == vllm  # auto is vllm wherever vLLM is installed (CPU included) and reuses its artifacts

@@ -111,7 +111,7 @@ def test_tiny_kimi_k25_extraction_training_flatten(tiny_kimi, tmp_path):
     out = tmp_path / "run"
     proc = run_cli(["run", f"--set=verifier.path={tiny_kimi}", f"--set=data.path={data}", "--set=data.regenerate=false",
                     "--set=extraction.backend=hf",
-                    "--set=smoke.enabled=false", "--set=data.num_eval=10", "--set=data.max_seq_len=256",
+                    "--set=smoke.enabled=false", "--set=data.eval_fraction=0.25", "--set=data.max_seq_len=256",
                     "--set=training.epochs=1", f"--set=draft.like={reference}", "--output-dir", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())

@@ -37,7 +37,7 @@ def _sets(verifier, data, epochs=2):
     # tests/test_capture_vllm.py).
     return [f"--set=verifier.path={verifier}", f"--set=data.path={data}", "--set=data.regenerate=false",
             "--set=extraction.backend=hf",
-            "--set=smoke.enabled=false", "--set=data.num_eval=10", "--set=data.max_seq_len=256",
+            "--set=smoke.enabled=false", "--set=data.eval_fraction=0.25", "--set=data.max_seq_len=256",
             "--set=draft.draft_vocab_size=256", "--set=extraction.batch_size=1", f"--set=training.epochs={epochs}"]
 
 

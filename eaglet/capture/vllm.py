@@ -7,10 +7,10 @@ token ids, with the loss on the response; its states are the ones computed while
 prefill of the same ids to bf16 rounding: tests/test_capture_vllm.py). Without regeneration each request is a
 whole conversation, prefill-only (one generated token, discarded), with the assistant-only loss mask.
 
-Samples are numbered before the pass (row order, responses_per_prompt per row), grouped into shards of
-`batch_size` and written by eaglet.capture.shards as each shard's requests finish; the requests of many shards
-are in flight at once so the engine's batches stay full. A rerun keeps finished shards: responses and states
-are recorded together.
+Each conversation is a row artifact (eaglet.capture.rows), published as soon as its requests finish; only rows
+the store does not hold reach the engine (a file that grew by N rows costs N rows), and the requests of many rows
+are in flight at once so the engine's batches stay full. A killed pass loses only the rows in flight. The
+run's dataset is then assembled from the rows, in row order, as links.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eaglet.capture.engine import Engine, EngineError
-from eaglet.capture.shards import bytes_per_token, finish, get_text_hidden_size, read_records, shards_left, write_shard
+from eaglet.capture.rows import assemble, have_row, publish_row, read_row, row_key
+from eaglet.capture.shards import bytes_per_token, get_text_hidden_size
 from eaglet.data import assistant_mask, prompt_part, read_conversations
 from eaglet.errors import EagletError
 
@@ -110,84 +110,118 @@ def probe(engine: Engine, tokenizer, layers: int) -> None:
 def _sample(req: dict, saved: dict, max_seq_len: int, regenerate: bool) -> tuple[list[int], list[int], object]:
     ids = saved["token_ids"].tolist()
     if ids[: len(req["prompt_ids"])] != req["prompt_ids"]:
-        raise EngineError(f"the engine's token ids for sample {req['sample']} do not start with its prompt")
+        raise EngineError(f"the engine's token ids for row {req['row']} do not start with its prompt")
     ids, states = ids[:max_seq_len], saved["hidden_states"][:max_seq_len]
     n_prompt = len(req["prompt_ids"])
     mask = [0] * n_prompt + [1] * (len(ids) - n_prompt) if regenerate else req["loss_mask"][: len(ids)]
     return ids, mask, states
 
 
-def generate_and_capture(engine: Engine, tokenizer_path: str, conversations_file: Path, out: Path, num_layers: int,
-                         max_seq_len: int, batch_size: int, dtype: str = "bfloat16", regenerate: bool = True,
-                         max_new_tokens: int = 128, temperature: float = 0.0, responses_per_prompt: int = 1,
-                         seed: int = 0, trust_remote_code: bool = False, progress=None) -> dict:
-    """Fill `out` (eaglet.capture.shards layout, plus responses.jsonl with the verifier's answers) from one pass
-    through `engine`. progress(shards done, shards, tokens/s)."""
-    import httpx
+def capture_settings(num_layers: int, max_seq_len: int, dtype: str, regenerate: bool, max_new_tokens: int,
+                     temperature: float, responses_per_prompt: int, seed: int) -> dict:
+    """Everything besides the verifier and the request that decides a row's bytes (part of its key)."""
+    gen = {"max_new_tokens": max_new_tokens, "temperature": temperature, "n": responses_per_prompt, "seed": seed}
+    return {"layers": num_layers, "max_seq_len": max_seq_len, "dtype": dtype, "generation": gen if regenerate else None,
+            "version": "vllm-row-1"}
+
+
+def plan_rows(tokenizer_path: str, conversations_file: Path, fingerprint: str, settings: dict,
+              trust_remote_code: bool = False) -> tuple[dict[str, list[dict]], int]:
+    """{row key: its requests} in row order (a row asked twice is one key), and the rows left out."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
-    rows = read_conversations(conversations_file)
-    requests, skipped = plan_requests(tok, rows, regenerate, max_seq_len, responses_per_prompt)
-    for i, req in enumerate(requests):
-        req["sample"] = i
-    shards = [list(range(b, min(b + batch_size, len(requests)))) for b in range(0, len(requests), batch_size)]
-    hs_dir = out / "hidden_states"
-    todo = shards_left(hs_dir, shards)
-    resumed = len(shards) - len(todo)
+    gen = settings["generation"]
+    requests, skipped = plan_requests(tok, read_conversations(conversations_file), gen is not None,
+                                      settings["max_seq_len"], gen["n"] if gen else 1)
+    by_row: dict[int, list[dict]] = {}
+    for req in requests:
+        by_row.setdefault(req["row"], []).append(req)
+    planned: dict[str, list[dict]] = {}
+    for reqs in by_row.values():  # the responses of a row share its request, hence its key
+        planned.setdefault(row_key(fingerprint, settings, reqs[0]), reqs)
+    return planned, skipped
+
+
+def rows_to_compute(planned: dict[str, list[dict]]) -> list[str]:
+    return [key for key in planned if not have_row(key)]
+
+
+def generate_and_capture(engine: Engine | None, tokenizer_path: str, conversations_file: Path, out: Path,
+                         num_layers: int, max_seq_len: int, dtype: str = "bfloat16", regenerate: bool = True,
+                         max_new_tokens: int = 128, temperature: float = 0.0, responses_per_prompt: int = 1,
+                         seed: int = 0, trust_remote_code: bool = False, progress=None,
+                         fingerprint: str | None = None) -> dict:
+    """Fill `out` with the dataset view of every row of `conversations_file` (eaglet.capture.rows), sending to
+    `engine` only the rows the store does not hold yet; each is published as its requests finish, so a killed
+    pass loses only the rows in flight. `engine` may be None when every row is known. responses.jsonl keeps
+    the verifier's answers. progress(rows done, rows to compute, tokens/s)."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    if fingerprint is None:
+        from eaglet.verifier import resolve_verifier
+
+        fingerprint = resolve_verifier(tokenizer_path, trust_remote_code=trust_remote_code).fingerprint
+    settings = capture_settings(num_layers, max_seq_len, dtype, regenerate, max_new_tokens, temperature,
+                                responses_per_prompt, seed)
+    planned, skipped = plan_rows(tokenizer_path, conversations_file, fingerprint, settings, trust_remote_code)
+    todo = rows_to_compute(planned)
     gen = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed} if regenerate else None
 
     t0, tokens, generated = time.perf_counter(), 0, 0
     if todo:
-        probe(engine, tok, num_layers)
+        if engine is None:
+            raise RuntimeError(f"{len(todo)} rows need the verifier but no engine was started")
+        probe(engine, AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code), num_layers)
         with httpx.Client(timeout=httpx.Timeout(REQUEST_TIMEOUT, connect=60),
                           limits=httpx.Limits(max_connections=IN_FLIGHT)) as client, \
                 ThreadPoolExecutor(IN_FLIGHT) as pool:
-            futures = {i: pool.submit(_complete, client, engine, requests[i], gen) for n in todo for i in shards[n]}
+            futures = {(key, j): pool.submit(_complete, client, engine, req, gen)
+                       for key in todo for j, req in enumerate(planned[key])}
             try:
-                for count, n in enumerate(todo, 1):
-                    batch, masks, states, texts = [], [], [], []
-                    for i in shards[n]:
-                        answer = futures.pop(i).result()
-                        ids, mask, hs = _sample(requests[i], _load(answer["path"]), max_seq_len, regenerate)
-                        batch.append(ids), masks.append(mask), states.append(hs), texts.append(answer["text"])
+                for count, key in enumerate(todo, 1):
+                    samples = []
+                    for j, req in enumerate(planned[key]):
+                        answer = futures.pop((key, j)).result()
+                        ids, mask, hs = _sample(req, _load(answer["path"]), max_seq_len, regenerate)
+                        samples.append({"input_ids": ids, "loss_mask": mask, "hidden_states": hs,
+                                        "response": answer["text"] if regenerate else None})
                         generated += answer["generated"]
-                    meta = {"loss_masks": masks, "rows": [requests[i]["row"] for i in shards[n]]}
-                    if regenerate:
-                        meta["responses"] = texts
-                    tokens += write_shard(hs_dir, n, shards[n], batch, states, dtype, meta)
+                        tokens += len(ids)
+                    publish_row(key, samples, dtype)
                     if progress:
-                        progress(resumed + count, len(shards), tokens / (time.perf_counter() - t0))
+                        progress(count, len(todo), tokens / (time.perf_counter() - t0))
             finally:
                 for f in futures.values():  # interrupted: do not send what is still queued
                     f.cancel()
     seconds = time.perf_counter() - t0
 
-    samples, freq, answers = [], Counter(), []
-    for rec in read_records(hs_dir):
-        for i, mask, row, text in zip(rec["samples"], rec["loss_masks"], rec["rows"],
-                                      rec.get("responses") or [None] * len(rec["samples"])):
-            ids = _token_ids(hs_dir, i)
-            samples.append((i, {"input_ids": ids, "loss_mask": mask, "seq_len": len(ids)}))
-            freq.update(t for t, m in zip(ids, mask) if m)
-            if text is not None:
-                answers.append((i, prompt_part(rows[row]) + [{"role": "assistant", "content": text}]))
-    samples = [s for _, s in sorted(samples, key=lambda x: x[0])]
+    keys = list(planned)
+    digests = assemble(out, keys, set(todo))
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(out))
+    masks = ds["loss_mask"]
     if regenerate:
+        rows = read_conversations(conversations_file)
         with (out / "responses.jsonl").open("w") as f:
-            for _, msgs in sorted(answers, key=lambda x: x[0]):
-                f.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
+            for key in keys:
+                for req, s in zip(planned[key], read_row(key)["samples"]):
+                    msgs = prompt_part(rows[req["row"]]) + [{"role": "assistant", "content": s["response"]}]
+                    f.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
     hidden_size = get_text_hidden_size(tokenizer_path)
     return {
-        "samples": len(samples),
+        "samples": len(ds),
+        "rows": len(keys),
+        "rows_computed": len(todo),
+        "rows_reused": len(keys) - len(todo),
         "rows_skipped": skipped,
-        "samples_without_loss_tokens": sum(1 for s in samples if not any(s["loss_mask"])),
-        "tokens": sum(s["seq_len"] for s in samples),
+        "samples_without_loss_tokens": sum(1 for m in masks if not int(m.sum())),
+        "tokens": int(sum(ds["seq_len"])),
         "extracted_tokens": tokens,
         "generated_tokens": generated,
-        "shards": len(shards),
-        "resumed_shards": resumed,
-        "loss_tokens": sum(freq.values()),
+        "loss_tokens": int(sum(int(m.sum()) for m in masks)),
         "seconds": seconds,
         "tokens_per_s": tokens / seconds if seconds and tokens else 0.0,
         "generated_tokens_per_s": generated / seconds if seconds and generated else 0.0,
@@ -195,12 +229,6 @@ def generate_and_capture(engine: Engine, tokenizer_path: str, conversations_file
         "hidden_size": hidden_size,
         "backend": "vllm",
         "mode": "generate+capture" if regenerate else "prefill",
-        "file_sha256": finish(out, samples, freq),
+        "file_sha256": digests,
+        "rows_linked": keys,
     }
-
-
-def _token_ids(hs_dir: Path, i: int) -> list[int]:
-    from safetensors import safe_open
-
-    with safe_open(str(hs_dir / f"hs_{i}.safetensors"), "pt") as f:
-        return f.get_tensor("token_ids").tolist()
