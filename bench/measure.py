@@ -1,11 +1,16 @@
-"""The measurements, one function per row group. Each comparison runs back to back in one process (or one
-process tree) and is repeated; the runner quotes medians and ratios.
+"""The measurements, one function per row group. Each comparison is repeated with its sides interleaved
+(A B A B ...), so drift on the machine hits both; the runner quotes min / median / max.
 
 - orchestration: the whole flow through `eaglet run` (cold, fully cached, training-only change) + per-task memory
-- extraction:    the extract-hidden-states task vs a bare verifier forward pass over the same batches
+- data pass:     load-verifier + generate-and-capture vs a bare vLLM server generating the same requests
+                 (bench.datapass): steady-state tokens/s and start-up seconds apart
+- extraction:    the hf backend's extract-hidden-states task vs a bare verifier forward pass over the same batches
 - training:      the train-draft task vs speculators' own training entry point on the same data and settings
+                 (bench.steps: steady-state tokens/s from speculators' steps, start-up seconds itemised), plus one
+                 pair at a realistic length
 - storage:       bytes per token of the stored hidden states, bf16 and fp8
-- decoding:      vLLM with and without the draft, k = 1..K, batch 1 and batched
+- decoding:      vLLM with and without the draft, k = 1..K, batched; batch 1 interleaved in one process
+                 (bench.decode_pair)
 """
 
 from __future__ import annotations
@@ -25,6 +30,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def spread(xs: list[float]) -> dict:
+    """min / median / max of the repeats (n of them)."""
+    return {"n": len(xs), "min": min(xs), "median": statistics.median(xs), "max": max(xs)}
 
 
 # --- orchestration ----------------------------------------------------------------------------------------
@@ -65,6 +75,7 @@ def orchestration(home: Path, sets: list[str], changed: str, repeats: int) -> di
         "cold_s": cold["wall_s"],
         "cached_s": [c["wall_s"] for c in cached],
         "cached_median_s": med_cached,
+        "cached_spread_s": spread([c["wall_s"] for c in cached]),
         "cached_over_cold": med_cached / cold["wall_s"],
         "cached_states": sorted({t["state"] for c in cached for n, t in c["tasks"].items()
                                  if n not in ("resolve-verifier", "validate-draft")}),
@@ -73,7 +84,8 @@ def orchestration(home: Path, sets: list[str], changed: str, repeats: int) -> di
         "training_change_over_cold": change["wall_s"] / cold["wall_s"],
         "training_change_states": {n: t["state"] for n, t in change["tasks"].items()},
         "overhead_s": {"cold": cold["wall_s"] - cold["tasks_s"],
-                       "cached_median": _median([c["wall_s"] - c["tasks_s"] for c in cached])},
+                       "cached_median": _median([c["wall_s"] - c["tasks_s"] for c in cached]),
+                       "cached": spread([c["wall_s"] - c["tasks_s"] for c in cached])},
         "memory": {n: t["peak_rss_bytes"] for n, t in cold["tasks"].items()},
         "cold_tasks_s": {n: t["seconds"] for n, t in cold["tasks"].items()},
         "cold_report": cold["report"],
@@ -112,21 +124,25 @@ def bare_forward_tokens_per_s(verifier_path: str, conversations_file: Path, max_
     return tokens / seconds
 
 
-def stages(home: Path, verifier_path: str, conversations_dir: str, cfg, repeats: int) -> dict:
+def stages(home: Path, verifier_path: str, conversations_dir: str, data_dir: str, cfg, p: dict) -> dict:
     """Runs in a Prefect flow (the tasks need a run context). Every pipeline repeat gets a fresh store, so the
     task builds instead of hitting the cache."""
     from prefect import flow
 
+    from bench import datapass
     from eaglet.capture.hf_forward import load_verifier, resolve_device
-    from eaglet.train import speculators_argv
     from eaglet.verifier import resolve_verifier
     from tasks import stages as t
+
+    repeats = p["repeats"]
 
     def fresh_store(name: str) -> None:
         os.environ["EAGLET_HOME"] = str(home / name)
 
     @flow(name="bench-stages")
     def bench_stages() -> dict:
+        data_pass = datapass.compare(home, verifier_path, data_dir, cfg, repeats)
+
         info = resolve_verifier(verifier_path, cfg.verifier.aux_layer_ids, False)
         conv_file = Path(conversations_dir) / "train.jsonl"
         extraction = {"pipeline_tokens_per_s": [], "bare_tokens_per_s": []}
@@ -145,15 +161,11 @@ def stages(home: Path, verifier_path: str, conversations_dir: str, cfg, repeats:
         extraction["samples"] = stats0["samples"]
 
         fresh_store("x0")
-        vocab = t.build_vocab(info, states0, cfg)
-        training = {"pipeline_s": [], "direct_s": [], "tokens": stats0["tokens"] * cfg.training.epochs}
-        for r in range(repeats):  # alternating, each in a fresh process
-            training["pipeline_s"].append(_train_once("pipeline", {
-                "store": str(home / f"t{r}"), "verifier": info.model_dump(), "cfg": cfg.model_dump(),
-                "states": states0, "vocab": vocab}, home / f"pipeline{r}"))
-            training["direct_s"].append(_train_once("direct", {"argv": speculators_argv(
-                info.path, Path(states0), Path(vocab), home / f"direct{r}" / "checkpoints", info.aux_layer_ids,
-                cfg.draft.draft_vocab_size, cfg.draft, cfg.training, False)}, home / f"direct{r}"))
+        vocab = t.build_vocab(info, states0, None, cfg)
+        training = training_pairs(home, "", info, cfg, states0, vocab, repeats, p["warm_steps"])
+        long_cfg = cfg.model_copy(update={"training": cfg.training.model_copy(
+            update={"epochs": p["realistic_epochs"]})})
+        realistic = training_pairs(home, "long", info, long_cfg, states0, vocab, 1, p["warm_steps"])
 
         fresh_store("fp8")
         fp8 = t.extract_hidden_states.with_options(refresh_cache=True)(
@@ -161,12 +173,33 @@ def stages(home: Path, verifier_path: str, conversations_dir: str, cfg, repeats:
                 update={"dtype": "fp8"})}))
         storage = {"bf16": _bytes_per_token(Path(states0), stats0),
                    "fp8": _bytes_per_token(Path(fp8), json.loads((Path(fp8) / "stats.json").read_text()))}
-        return {"extraction": extraction, "training": training, "storage": storage}
+        return {"data_pass": data_pass, "extraction": extraction, "training": training,
+                "training_realistic": realistic, "storage": storage}
 
     return bench_stages()
 
 
-def _train_once(mode: str, spec: dict, work: Path) -> float:
+def training_pairs(home: Path, tag: str, info, cfg, states: str, vocab: str, repeats: int, warm_steps: int) -> dict:
+    """`repeats` pairs, interleaved (pipeline, direct, pipeline, ...), each run in a fresh process."""
+    from bench.steps import profile
+    from eaglet.train import speculators_argv
+
+    pipeline, direct = [], []
+    for r in range(repeats):
+        run = _train_once("pipeline", {"store": str(home / f"t{tag}{r}"), "verifier": info.model_dump(),
+                                       "cfg": cfg.model_dump(), "states": states, "vocab": vocab},
+                          home / f"pipeline{tag}{r}")
+        pipeline.append(profile(run, warm_steps))
+        run = _train_once("direct", {"argv": speculators_argv(
+            info.path, Path(states), Path(vocab), home / f"direct{tag}{r}" / "checkpoints", info.aux_layer_ids,
+            cfg.draft.draft_vocab_size, cfg.draft, cfg.training, False)}, home / f"direct{tag}{r}")
+        direct.append(profile(run, warm_steps))
+    if any(p["tokens"] != d["tokens"] for p, d in zip(pipeline, direct)):
+        raise RuntimeError("the two training sides saw different token counts: not the same data")
+    return {"epochs": cfg.training.epochs, "warm_steps": warm_steps, "pipeline": pipeline, "direct": direct}
+
+
+def _train_once(mode: str, spec: dict, work: Path) -> dict:
     """One timed training run in a fresh process (bench/train_once.py), so both sides start alike."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "spec.json").write_text(json.dumps(spec, default=str))
@@ -174,7 +207,7 @@ def _train_once(mode: str, spec: dict, work: Path) -> float:
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} training failed: {proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])["seconds"]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _bytes_per_token(states: Path, stats: dict) -> dict:
@@ -185,16 +218,18 @@ def _bytes_per_token(states: Path, stats: dict) -> dict:
 
 # --- decoding -------------------------------------------------------------------------------------------------
 
-def decoding(verifier_path: str, draft: str, prompts: list, ks: list[int], max_tokens: int, batch1: int,
+def decoding(verifier_path: str, draft: str, prompts: list, ks: list[int], max_tokens: int, batch1: dict,
              max_model_len: int, dtype: str = "float32") -> dict:
-    """Greedy decoding in vLLM on held-out prompts: all at once, then the first `batch1` one at a time. One
-    engine per configuration; a short warm-up generation first. float32 by default: on CPU, bfloat16 makes
-    greedy outputs with and without the draft differ (see eaglet/smoke.py), and then the two runs decode
-    different tokens and their speeds are not comparable; `identical_outputs` says whether they were."""
+    """Greedy decoding in vLLM on held-out prompts, float32 by default: on CPU, bfloat16 makes greedy outputs with
+    and without the draft differ (see eaglet/smoke.py), and then the two runs decode different tokens and their
+    speeds are not comparable; `identical_outputs` says whether they were.
+    Batched: all prompts at once, one engine per configuration, a short warm-up generation first.
+    Batch 1 (for k in batch1["ks"]): bench.decode_pair, both engines in one process, warmed up, passes of
+    batch1["prompts"] prompts one at a time, alternating alone / draft, batch1["repeats"] of each."""
     from eaglet.vllm_run import run_vllm_job
 
     job = {"verifier": verifier_path, "conversations": prompts, "max_tokens": max_tokens, "dtype": dtype,
-           "max_model_len": max_model_len, "temperature": 0.0, "batch1": batch1, "warmup": True}
+           "max_model_len": max_model_len, "temperature": 0.0, "warmup": True}
     base = run_vllm_job(job)
     rows = []
     for k in ks:
@@ -206,29 +241,75 @@ def decoding(verifier_path: str, draft: str, prompts: list, ks: list[int], max_t
             "mean_acceptance_length": 1.0 + c["accepted"] / drafts if drafts else 1.0,
             "acceptance_per_position": [a / drafts if drafts else 0.0 for a in c["accepted_per_pos"]],
             "tokens_per_s_batched": spec["tokens_per_s"],
-            "tokens_per_s_batch1": spec["batch1"]["tokens_per_s"],
             "speedup_batched": spec["tokens_per_s"] / base["tokens_per_s"],
-            "speedup_batch1": spec["batch1"]["tokens_per_s"] / base["batch1"]["tokens_per_s"],
             "identical_outputs": spec["token_ids"] == base["token_ids"],
         })
-    return {"prompts": len(prompts), "batch1_prompts": batch1, "max_tokens": max_tokens, "dtype": dtype,
-            "baseline_tokens_per_s_batched": base["tokens_per_s"],
-            "baseline_tokens_per_s_batch1": base["batch1"]["tokens_per_s"], "k": rows}
+    b1 = []
+    for k in batch1["ks"]:
+        res = _decode_pair({"verifier": verifier_path, "draft": draft, "k": k, "dtype": dtype,
+                            "conversations": prompts[: batch1["prompts"]], "max_tokens": batch1["max_tokens"],
+                            "max_model_len": max_model_len, "warmup": batch1["warmup"],
+                            "repeats": batch1["repeats"]})
+        passes = res["passes"]
+        lengths = [1.0 + x["draft"]["accepted"] / x["draft"]["drafts"] if x["draft"]["drafts"] else 1.0
+                   for x in passes]
+        speedups = [x["draft"]["tokens_per_s"] / x["alone"]["tokens_per_s"] for x in passes]
+        b1.append({
+            "k": k,
+            "alone_tokens_per_s": spread([x["alone"]["tokens_per_s"] for x in passes]),
+            "draft_tokens_per_s": spread([x["draft"]["tokens_per_s"] for x in passes]),
+            "speedup": spread(speedups), "speedups": speedups,
+            "mean_acceptance_length": spread(lengths), "acceptance_lengths": lengths,
+            "identical_outputs": all(x["draft"]["token_ids"] == x["alone"]["token_ids"] for x in passes)
+            and all(x["alone"]["token_ids"] == passes[0]["alone"]["token_ids"] for x in passes),
+            "load_seconds": res["load_seconds"],
+        })
+    return {"prompts": len(prompts), "max_tokens": max_tokens, "dtype": dtype,
+            "baseline_tokens_per_s_batched": base["tokens_per_s"], "k": rows,
+            "batch1": {**batch1, "rows": b1}}
 
 
-TIMING_NOISE = 0.05  # two timed runs of the same work differ by a few percent on these machines
+def _decode_pair(job: dict) -> dict:
+    """bench.decode_pair in a child process of its own session (vLLM's engine processes stop with it)."""
+    import tempfile
+
+    from eaglet.vllm_run import _stop_group, vllm_env
+
+    with tempfile.TemporaryDirectory(prefix="eaglet-bench-pair-") as tmp:
+        job = dict(job, out=str(Path(tmp) / "result.json"))
+        (Path(tmp) / "job.json").write_text(json.dumps(job))
+        log = open(Path(tmp) / "log", "w+")
+        proc = subprocess.Popen([sys.executable, "-m", "bench.decode_pair", str(Path(tmp) / "job.json")], cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True)
+        try:
+            rc = proc.wait()
+        except BaseException:
+            _stop_group(proc)
+            raise
+        if rc != 0 or not Path(job["out"]).is_file():
+            log.seek(0)
+            raise RuntimeError(f"batch-1 decoding pair failed (exit {rc}):\n" + log.read()[-4000:])
+        return json.loads(Path(job["out"]).read_text())
 
 
 def decoding_checks(dec: dict) -> list[str]:
-    """Invariants of speculative decoding: a draft of k tokens adds at most k per step (length <= k + 1,
-    exact: counters), and it cannot speed decoding up by more than the tokens each step yields (speedup <=
-    length, up to TIMING_NOISE: timings)."""
+    """Invariants of speculative decoding with a chain draft, no tolerance: a draft of k tokens adds at most k
+    per step (mean acceptance length <= k + 1), and each speculative step costs at least one plain step, so no
+    speedup can exceed the acceptance length of the tokens it timed. A breach is a measurement bug."""
     problems = []
     for r in dec["k"]:
         if r["mean_acceptance_length"] > r["k"] + 1 + 1e-9:
             problems.append(f"k={r['k']}: mean acceptance length {r['mean_acceptance_length']:.3f} > k+1")
-        for batch in ("batched", "batch1"):
-            if r[f"speedup_{batch}"] > r["mean_acceptance_length"] * (1 + TIMING_NOISE):
-                problems.append(f"k={r['k']}: {batch} speedup {r[f'speedup_{batch}']:.3f} exceeds the mean "
-                                f"acceptance length {r['mean_acceptance_length']:.3f}")
+        if r["speedup_batched"] > r["mean_acceptance_length"]:
+            problems.append(f"k={r['k']}: batched speedup {r['speedup_batched']:.3f} exceeds the mean "
+                            f"acceptance length {r['mean_acceptance_length']:.3f}")
+    for r in dec["batch1"]["rows"]:
+        for i, (s, a) in enumerate(zip(r["speedups"], r["acceptance_lengths"]), 1):
+            if a > r["k"] + 1 + 1e-9:
+                problems.append(f"k={r['k']} batch 1, repeat {i}: mean acceptance length {a:.3f} > k+1")
+            if s > a:
+                problems.append(f"k={r['k']} batch 1, repeat {i}: speedup {s:.3f} exceeds the acceptance length "
+                                f"{a:.3f} of the same tokens")
+        if not r["identical_outputs"]:
+            problems.append(f"k={r['k']} batch 1: outputs differ between passes (the timed work is not the same)")
     return problems

@@ -28,7 +28,9 @@ def test_bench_fills_every_row(tiny_verifier, tmp_path):
 
     dp, ex, tr, tl = r["data_pass"], r["extraction"], r["training"], r["training_realistic"]
     o, d, s = r["orchestration"], r["decoding"], r["storage"]
-    assert r["cpu_model"] and r["cores"] and result_file.name.endswith(f"-{r['date'][:0]}tiny.json")
+    from bench.run import _slug
+
+    assert r["cores"] and result_file.name == f"{r['date']}-{_slug(r['cpu_model'])}-tiny.json"  # per machine, date
     # every ratio row: repeats, sides interleaved, min <= median <= max
     for row in (dp["steady"], dp["whole"], ex["steady"], tr["steady"], tr["whole"]):
         for side in ("pipeline", "limit", "ratio"):

@@ -1,0 +1,73 @@
+"""Batch-1 decoding, the verifier alone against the verifier with the draft, in one process so the two sides can be
+interleaved: `python -m bench.decode_pair JOB.json` (a vLLM child process, as eaglet.vllm_worker).
+
+Both engines are built first (same settings; prefix caching off, so every pass computes its prompts), each is
+warmed up with full-length batch-1 generations, then the passes alternate: alone, draft, alone, draft, ... Each
+pass generates the prompts one at a time; the draft engine's spec-decode counters are read around each of its
+passes, so every speedup has the acceptance length of the very tokens it timed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _engine(job: dict, draft: bool):
+    from vllm import LLM
+
+    kwargs = dict(model=job["verifier"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0,
+                  disable_log_stats=False, enforce_eager=True, enable_prefix_caching=False)
+    if draft:
+        kwargs["speculative_config"] = {"method": "eagle3", "model": job["draft"], "num_speculative_tokens": job["k"]}
+    return LLM(**kwargs)
+
+
+def main() -> None:
+    from vllm import SamplingParams
+
+    from eaglet.vllm_worker import _counters
+
+    job = json.load(open(sys.argv[1]))
+    convs = job["conversations"]
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], seed=0)
+    t = time.perf_counter()
+    alone = _engine(job, False)
+    alone_load = time.perf_counter() - t
+    t = time.perf_counter()
+    spec = _engine(job, True)
+    spec_load = time.perf_counter() - t
+    for llm in (alone, spec):  # one-off costs of the batch-1 shapes, full length, on both sides
+        for conv in convs[: job["warmup"]]:
+            llm.chat([conv], params, use_tqdm=False)
+
+    def one_pass(llm):
+        before = _counters(llm)
+        t0, ids = time.perf_counter(), []
+        for conv in convs:
+            ids += [list(c.token_ids) for o in llm.chat([conv], params, use_tqdm=False) for c in o.outputs]
+        seconds = time.perf_counter() - t0
+        after = _counters(llm)
+        n = sum(len(x) for x in ids)
+        out = {"seconds": seconds, "tokens": n, "tokens_per_s": n / seconds, "token_ids": ids}
+        if llm is spec:
+            out["drafts"] = after["drafts"] - before["drafts"]
+            out["accepted"] = after["accepted"] - before["accepted"]
+            out["accepted_per_pos"] = [a - b for a, b in zip(after["per_pos"], before["per_pos"] or
+                                                             [0] * len(after["per_pos"]))]
+        return out
+
+    passes = []
+    for _ in range(job["repeats"]):
+        passes.append({"alone": one_pass(alone), "draft": one_pass(spec)})
+    result = {"load_seconds": {"alone": alone_load, "draft": spec_load}, "passes": passes}
+    tmp = job["out"] + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, job["out"])
+
+
+if __name__ == "__main__":  # vLLM spawns worker processes: the guard is required
+    main()
