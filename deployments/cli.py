@@ -151,10 +151,21 @@ def cmd_cache(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(rows, indent=2))
             return 0
+        from eaglet.capture.rows import ROW_KIND, view_rows
+
         print(f"{'kind':<14} {'fingerprint':<18} {'size':>10} {'age':>6} {'last used':>9}  path")
         for a in rows:
+            if a["kind"] == ROW_KIND:
+                continue  # one line for all of them, below
+            linked = view_rows(Path(a["path"])) if a["kind"] == "hidden_states" else {"rows": []}
+            note = (f"  ({len(linked['rows'])} rows: {len(linked['computed'])} computed by its run, "
+                    f"{len(linked['rows']) - len(linked['computed'])} reused)" if linked["rows"] else "")
             print(f"{a['kind']:<14} {a['key']:<18} {_size(a['bytes']):>10} {_age(now - a['created']):>6} "
-                  f"{_age(now - a['last_used']):>9}  {a['path']}")
+                  f"{_age(now - a['last_used']):>9}  {a['path']}{note}")
+        row_arts = [a for a in rows if a["kind"] == ROW_KIND]
+        if row_arts:
+            print(f"{ROW_KIND:<14} {len(row_arts):<18} {_size(sum(a['bytes'] for a in row_arts)):>10}  "
+                  f"{' ' * 17}{store.store_root() / ROW_KIND} (one per conversation, shared by the datasets above)")
         print(f"{len(rows)} artifacts, {_size(sum(a['bytes'] for a in rows))} in {store.store_root()}")
         return 0
     if args.older_than is None and args.keep_last is None:

@@ -283,12 +283,8 @@ def gc(older_than_s: float | None = None, keep_last: int | None = None, dry_run:
             if older_than_s is not None and now - a["last_used"] < older_than_s:
                 continue
             doomed.append(a)
-    doomed_paths = {a["path"] for a in doomed}
-    linked = {str(artifact_path(kind, key, root)) for a in list_artifacts(root) if a["path"] not in doomed_paths
-              for kind, keys in _links(Path(a["path"])).items() for key in keys}
-    for a in doomed:
-        if a["path"] in linked:
-            continue
+
+    def remove(a: dict) -> None:
         path = Path(a["path"])
         with _flock(path, fcntl.LOCK_EX, wait=False) as free:
             if not free:
@@ -298,6 +294,17 @@ def gc(older_than_s: float | None = None, keep_last: int | None = None, dry_run:
                 os.rename(path, gone)  # gone for readers at once; then removed
                 shutil.rmtree(gone)
         removed.append(a)
+
+    # Artifacts that link others go first; what they link is kept while any survivor (or one in use) links it.
+    linking = [a for a in doomed if _links(Path(a["path"]))]
+    for a in linking:
+        remove(a)
+    gone = {a["path"] for a in linking if "skipped" not in a}
+    linked = {str(artifact_path(kind, key, root)) for a in list_artifacts(root) if a["path"] not in gone
+              for kind, keys in _links(Path(a["path"])).items() for key in keys}
+    for a in doomed:
+        if a not in linking and a["path"] not in linked:
+            remove(a)
     for p in leftovers(root):
         if older_than_s is not None and now - p.stat().st_mtime < older_than_s:
             continue

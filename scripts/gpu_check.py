@@ -122,8 +122,8 @@ def main() -> int:
         work = out / name
         work.mkdir(exist_ok=True)
         stats = generate_and_capture(engine, str(verifier), conversations, work, len(info.aux_layer_ids) + 1, 512,
-                                     16, regenerate=regenerate, max_new_tokens=64)
-        stats.pop("file_sha256")  # one digest per file: not a figure for the summary
+                                     regenerate=regenerate, max_new_tokens=64, fingerprint=info.fingerprint)
+        stats.pop("file_sha256"), stats.pop("rows_linked")  # one digest per file: not a figure for the summary
         return stats
 
     try:

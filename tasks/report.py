@@ -11,6 +11,8 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
+from eaglet.history import history, when
+
 
 def _inline_images(markdown: str, out: Path) -> str:
     """The UI cannot read files on the worker's disk: a PNG the report links becomes a data URI."""
@@ -40,6 +42,19 @@ def publish_report(output_dir: str) -> list[str]:
                         f"mean acceptance length {smoke['mean_acceptance_length']:.3f}",
         )
         keys.append("acceptance-per-position")
+    hist = history(out)
+    if hist:
+        create_table_artifact(
+            key="draft-history",
+            table=[{"finished": when(h["finished"]), "draft": h["draft"],
+                    "mean acceptance": round(h["acceptance"], 4) if h["acceptance"] is not None else None,
+                    "per position": ", ".join(f"{a:.3f}" for a in h["per_position"] or []),
+                    "lossless": h["lossless"], "rows": h["training_rows"], "warm start": "yes" if h["init"] else "no",
+                    "current": "yes" if h["current"] else ""} for h in hist],
+            description=f"every draft kept in {out / 'drafts'}, oldest first; {out / 'current'} serves: "
+                        f"{(report.get('promotion') or {}).get('reason', '')}",
+        )
+        keys.append("draft-history")
     create_link_artifact(key="flat-draft", link=Path(report["draft_dir"]).as_uri(), link_text=report["draft_dir"],
                          description="the flat LlamaForCausalLMEagle3 draft vLLM loads")
     keys.append("flat-draft")

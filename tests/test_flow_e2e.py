@@ -129,3 +129,79 @@ def test_flat_and_nested_forms_are_the_same_draft_in_vllm(e2e_run, tiny_verifier
     nested = run_vllm_job(dict(job, draft=str(e2e_run["out"] / "draft-speculators")))
     assert flat["token_ids"] == nested["token_ids"]
     assert flat["spec"] == nested["spec"] and flat["spec"]["accepted"] > 0
+
+
+NEW_PROMPTS = ["Name three uses of a paperclip.", "What is 17 times 3?", "Write a two-line poem about fog.",
+               "Explain what a hash table is.", "Why do owls hunt at night?", "Give a synonym for quick.",
+               "How many sides does a hexagon have?", "Describe the colour blue to a child.",
+               "What does HTTP stand for?", "Suggest a name for a goldfish.", "Is 51 a prime number?",
+               "Summarise the water cycle in one sentence."]
+
+
+@pytest.fixture(scope="module")
+def nightly(e2e_run, session_dir, tmp_path_factory):
+    """The nightly retrain after the first run: the shipped prompts plus 12 new ones, the same fixed held-out
+    file, a warm start for one epoch, in a copy of the first run's directory (its draft is the current one)."""
+    import shutil
+
+    from eaglet.data import DEFAULT_EVAL, DEFAULT_PROMPTS
+
+    data = tmp_path_factory.mktemp("nightly") / "grown.jsonl"
+    data.write_text(DEFAULT_PROMPTS.read_text() + "".join(json.dumps({"prompt": p}) + "\n" for p in NEW_PROMPTS))
+    out = session_dir / "nightly"
+    shutil.copytree(e2e_run["out"], out, symlinks=True)
+    sets = [*e2e_run["sets"], f"--set=data.path={data}", f"--set=data.eval_path={DEFAULT_EVAL}",
+            "--set=training.init=previous", "--set=training.warm_epochs=1"]
+    proc = run_cli(["run", *sets, "--output-dir", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {"out": out, "sets": sets, "report": json.loads((out / "report.json").read_text())}
+
+
+def test_first_run_is_current_and_kept(e2e_run):
+    out = e2e_run["out"]
+    key = Path(e2e_run["report"]["artifacts"]["draft"]).name
+    assert (out / "current").is_symlink() and (out / "current").resolve() == (out / "drafts" / key).resolve()
+    assert json.loads((out / "drafts" / key / "report.json").read_text())["artifacts"]["draft"] == \
+        e2e_run["report"]["artifacts"]["draft"]
+    assert e2e_run["report"]["promotion"]["promoted"] and e2e_run["report"]["extraction"]["rows_reused"] == 0
+
+
+def test_nightly_computes_only_new_rows_and_warm_starts(nightly, e2e_run):
+    r, first = nightly["report"], e2e_run["report"]
+    x = r["extraction"]
+    assert (x["rows_computed"], x["rows_reused"]) == (len(NEW_PROMPTS), first["extraction"]["rows"])
+    assert r["verifier_loads"] == 1 and r["engine_loads"] == {"data": 1, "smoke": 1}  # the baseline is kept
+    assert r["tasks"]["verifier-baseline"]["state"] == "Cached"
+    data, first_data = Path(r["artifacts"]["data"]), Path(first["artifacts"]["data"])
+    assert (data / "eval.jsonl").read_text() == (first_data / "eval.jsonl").read_text()  # the same held-out rows
+    assert r["warm_start"]["from"] == first["artifacts"]["checkpoint"]
+    assert r["vocab"]["kept_from"].startswith(first["artifacts"]["checkpoint"])
+    argv = json.loads((Path(r["artifacts"]["checkpoint"]) / "speculators_train_argv.json").read_text())
+    assert argv[argv.index("--epochs") + 1] == "1" and "--from-pretrained" in argv
+    import numpy as np
+
+    assert np.array_equal(np.load(Path(r["artifacts"]["vocab"]) / "d2t.npy"),
+                          np.load(Path(first["artifacts"]["vocab"]) / "d2t.npy"))  # not silently remapped
+    p = r["promotion"]
+    assert p["current_before"]["key"] == Path(first["artifacts"]["draft"]).name and p["delta"] is not None
+    assert p["promoted"] == (p["delta"] > 0) and ("promoted" in p["reason"])
+    current = (nightly["out"] / "current").resolve().name
+    assert current == (Path(r["artifacts"]["draft"]).name if p["promoted"] else p["current_before"]["key"])
+    assert len(list((nightly["out"] / "drafts").iterdir())) == 2 and len(r["history"]) == 2
+    assert "Draft history" in (nightly["out"] / "report.md").read_text()
+
+
+def test_unchanged_night_loads_nothing_and_the_gate_fails_it(nightly, tmp_path):
+    """The same file again: no verifier load, every stage Cached. A bar above what the draft reaches fails the
+    run after its report, and moves nothing."""
+    current = (nightly["out"] / "current").resolve()
+    proc = run_cli(["run", *nightly["sets"], "--set=smoke.min_acceptance=4.5", "--output-dir", str(nightly["out"])])
+    assert proc.returncode == 2 and "quality gate: mean acceptance length" in proc.stderr, proc.stderr[-2000:]
+    r = json.loads((nightly["out"] / "report.json").read_text())
+    assert r["verifier_loads"] == 0 and r["engine_loads"] == {"data": 0, "smoke": 0}
+    assert "load-verifier" not in r["tasks"]
+    assert all(t["state"] == "Cached" for name, t in r["tasks"].items() if name not in ("resolve-verifier",
+               "validate-draft", "find-warm-start", "read-reference")), r["tasks"]
+    assert r["extraction"]["rows_computed"] == len(NEW_PROMPTS)  # the cached dataset's own record
+    assert r["gate_failure"] and not r["promotion"]["promoted"]
+    assert (nightly["out"] / "current").resolve() == current

@@ -143,6 +143,17 @@ def test_ci_deployment_runs_on_the_worker_and_reruns_from_cache(stack, tiny_veri
     report2 = json.loads((tmp_path / "run2" / "report.json").read_text())
     assert report2["verifier_loads"] == 0 and "load-verifier" not in states
 
+    # The quality gate: a bar above what the draft reaches (k=3: at most 4) fails the CI job, from cache.
+    strict = json.loads(json.dumps(params))
+    strict["smoke"]["min_acceptance"] = 4.5
+    third, third_id = _deployment_run(stack, strict, tmp_path / "run2")
+    assert third.returncode != 0, third.stdout[-3000:]
+    assert _task_states(stack, third_id)["smoke-test"] == "Cached"
+    report3 = json.loads((tmp_path / "run2" / "report.json").read_text())
+    assert "below smoke.min_acceptance=4.5" in report3["gate_failure"]
+    history = json.loads(_artifacts(stack, third_id)["draft-history"]["data"])
+    assert len(history) == 1 and history[0]["current"] == "yes"  # the same draft, promoted by run2 itself
+
 
 def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")

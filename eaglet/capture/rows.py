@@ -21,10 +21,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
-import torch
-
 from eaglet import store
-from eaglet.capture.shards import _stored, save_dataset
 
 ROW_KIND = "rows"
 ROW_FILE = "row.json"
@@ -49,7 +46,10 @@ def have_row(key: str) -> bool:
 def publish_row(key: str, samples: list[dict], dtype: str) -> Path:
     """samples: [{"input_ids", "loss_mask", "hidden_states" (tensor [T, layers, H]), "response"?}] of one row."""
     def build(tmp: Path) -> None:
+        import torch
         from safetensors.torch import save_file
+
+        from eaglet.capture.shards import _stored
 
         meta = []
         for j, s in enumerate(samples):
@@ -68,7 +68,10 @@ def read_row(key: str) -> dict:
 def assemble(out: Path, keys: list[str], computed: set[str]) -> dict[str, str]:
     """The run's dataset in `out` (a store work directory) from the row artifacts `keys`, in that order.
     Returns {relative file: sha256} for the linked states (taken from the rows' manifests, not re-read)."""
+    import torch
     from safetensors import safe_open
+
+    from eaglet.capture.shards import save_dataset
 
     hs_dir = out / "hidden_states"
     hs_dir.mkdir(parents=True, exist_ok=True)
