@@ -26,15 +26,15 @@ PRESETS = {
     "full": {
         "sets": ["data.max_samples=200", "training.epochs=1", "smoke.enabled=false"],
         "changed": "training.lr=0.0015", "repeats": 3, "ks": [1, 2, 3, 4, 5], "decode_prompts": 16,
-        "max_tokens": 96, "warm_steps": 5, "realistic_epochs": 3,
-        "batch1": {"ks": [1, 2], "prompts": 16, "max_tokens": 32, "repeats": 3, "warmup": 2},
+        "max_tokens": 96, "warm_steps": 5, "realistic_epochs": 3, "datapass_prompts": 128,
+        "batch1": {"ks": [1, 2], "prompts": 16, "max_tokens": 24, "repeats": 3, "warmup": 2},
     },
     "tiny": {
         "sets": ["data.max_samples=48", "data.max_seq_len=128", "data.max_new_tokens=16",
                  "draft.draft_vocab_size=256", "training.epochs=1", "training.total_seq_len=256",
                  "smoke.enabled=false"],
         "changed": "training.lr=0.0015", "repeats": 2, "ks": [1, 2], "decode_prompts": 4, "max_tokens": 16,
-        "warm_steps": 1, "realistic_epochs": 2,
+        "warm_steps": 1, "realistic_epochs": 2, "datapass_prompts": None,
         "batch1": {"ks": [1], "prompts": 4, "max_tokens": 8, "repeats": 2, "warmup": 1},
     },
 }
@@ -104,7 +104,11 @@ def run(preset: str, verifier: str | None, draft: str | None, home: Path, reuse:
     os.environ.update({"PREFECT_HOME": str(home / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                        "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "prefect-results")})
     os.environ.pop("PREFECT_API_URL", None)
-    st = measure.stages(home, verifier_path, str(responses), data_dir, cfg, p)
+    datapass_dir = home / "datapass-data"  # the first N training prompts (not a store artifact: nothing to lock)
+    datapass_dir.mkdir(exist_ok=True)
+    lines = (Path(data_dir) / "train.jsonl").read_text().splitlines(keepends=True)
+    (datapass_dir / "train.jsonl").write_text("".join(lines[: p["datapass_prompts"]]))
+    st = measure.stages(home, verifier_path, str(responses), str(datapass_dir), cfg, p)
 
     # 5. decoding
     from eaglet.smoke import load_prompts
