@@ -25,9 +25,9 @@ from bench import measure
 PRESETS = {
     "full": {
         "sets": ["data.max_samples=200", "training.epochs=1", "smoke.enabled=false"],
-        "changed": "training.lr=0.0015", "repeats": 3, "ks": [1, 2, 3, 4, 5], "decode_prompts": 16,
-        "max_tokens": 96, "warm_steps": 5, "realistic_epochs": 3, "datapass_prompts": 128,
-        "batch1": {"ks": [1, 2], "prompts": 16, "max_tokens": 24, "repeats": 3, "warmup": 2},
+        "changed": "training.lr=0.0015", "repeats": 3, "ks": [1, 2, 3], "decode_prompts": 16,
+        "max_tokens": 96, "warm_steps": 5, "realistic_epochs": 3, "datapass_prompts": 96,
+        "batch1": {"ks": [2], "prompts": 16, "max_tokens": 24, "repeats": 3, "warmup": 2},
     },
     "tiny": {
         "sets": ["data.max_samples=48", "data.max_seq_len=128", "data.max_new_tokens=16",
