@@ -105,6 +105,8 @@ def render_markdown(report: dict) -> str:
             f"- mean acceptance length: **{s['mean_acceptance_length']:.3f}** (1 + accepted / drafts; at most "
             f"{s['num_speculative_tokens'] + 1})",
             "- acceptance per position: " + ", ".join(f"{a:.3f}" for a in s["acceptance_per_position"]),
+            "- simulated from speculators' validation (1 + sum of full_acc_k, final epoch): "
+            + (f"{report['simulated_acceptance']:.3f}" if report.get("simulated_acceptance") else "not available"),
             f"- lossless (identical outputs with and without the draft): {s['lossless']}",
             f"- tokens/s without draft {s['tokens_per_s_without_draft']:.0f}, with draft "
             f"{s['tokens_per_s_with_draft']:.0f} (batched, vLLM)",
@@ -155,6 +157,14 @@ def render_markdown(report: dict) -> str:
             elif r["change"] == "dropped":
                 lines.append(f"| (not in the flat form) | | `{r['nested_path']}` | `{_short(r['nested'])}` |")
     return "\n".join(lines) + "\n"
+
+
+def _simulated(checkpoint: Path) -> float | None:
+    """The acceptance length the final epoch's validation metrics predict (eaglet.train.simulated_acceptance)."""
+    from eaglet.train import simulated_acceptance
+
+    f = checkpoint / "val_metrics.json"
+    return simulated_acceptance(json.loads(f.read_text())) if f.is_file() else None
 
 
 def make_plots(out: Path, checkpoint_dir: str, smoke: dict | None) -> dict[str, str]:
@@ -220,6 +230,7 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
         "gate_failure": failure,
         "promotion": promotion,
         "warm_start": {"from": warm_start} if warm_start else None,
+        "simulated_acceptance": _simulated(Path(artifacts["checkpoint"])),
         "finished": time.time(),
         "config_difference": config_difference(json.loads((spec / "config.json").read_text()),
                                                json.loads((draft / "config.json").read_text())),

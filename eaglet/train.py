@@ -324,6 +324,13 @@ class MetricsRecorder(logging.Handler):
 METRICS_FILE = "metrics.jsonl"
 
 
+def simulated_acceptance(val_metrics: Mapping[str, float]) -> float | None:
+    """The mean acceptance length a chain draft should reach if serving matched validation: 1 + the sum over
+    draft positions k of speculators' full_acc_k (the share of positions where steps 0..k were all right)."""
+    accs = [v for k, v in sorted(val_metrics.items()) if k.startswith("full_acc_")]
+    return 1.0 + sum(accs) if accs else None
+
+
 def read_metrics(path: Path) -> list[dict]:
     f = path / METRICS_FILE if path.is_dir() else path
     return [json.loads(line) for line in f.read_text().splitlines() if line.strip()] if f.is_file() else []

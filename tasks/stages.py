@@ -424,6 +424,8 @@ def epochs(init_dir: str | None, cfg: RunConfig) -> int:
 
 def _training_monitor(log, progress: Progress, epochs: int):
     """speculators' metrics into the run log (every 10th step, every epoch's validation) and the progress bar."""
+    from eaglet.train import simulated_acceptance
+
     steps_per_epoch: dict[int, int] = {}
 
     def short(metrics: dict) -> str:
@@ -432,7 +434,9 @@ def _training_monitor(log, progress: Progress, epochs: int):
     def on_metrics(row: dict) -> None:
         epoch = row["epoch"] or 0
         if row["kind"] == "val":
-            log.info(f"epoch {epoch} validation: {short(row['metrics'])}")
+            sim = simulated_acceptance(row["metrics"])
+            log.info(f"epoch {epoch} validation: {short(row['metrics'])}"
+                     + (f"; simulated acceptance length {sim:.3f}" if sim else ""))
             progress(epoch + 1, epochs, note=f"{epoch + 1} of {epochs} epochs done")
             return
         steps_per_epoch[epoch] = steps_per_epoch.get(epoch, 0) + 1

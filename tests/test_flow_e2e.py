@@ -33,6 +33,7 @@ def test_report_has_the_promised_fields(e2e_run, tiny_verifier):
     assert s["num_speculative_tokens"] == 3 and len(s["acceptance_per_position"]) == 3 and s["num_prompts"] == 16
     assert 1.0 <= s["mean_acceptance_length"] <= 4.0
     assert s["lossless"] is True
+    assert 1.0 < r["simulated_acceptance"] <= 4.0  # what speculators' validation predicts, beside the measured
     assert "mean acceptance length" in (e2e_run["out"] / "report.md").read_text()
 
 
