@@ -214,6 +214,9 @@ def test_only_new_or_edited_rows_reach_the_verifier(engine, tiny_verifier, tmp_p
     view = store.publish("hidden_states", "v1", lambda work: _pass(None, tiny_verifier, files["fewer"], work)
                          ["file_sha256"], inputs={"links": {"rows": linked}})
     assert len(list((tmp_path / "store" / "rows").glob("*/manifest.json"))) == 23
+    ls = run_cli(["cache", "ls"], env_extra={"EAGLET_HOME": str(tmp_path / "store")})
+    assert "(20 rows: 0 computed by its run, 20 reused)" in ls.stdout, ls.stdout + ls.stderr
+    assert any(line.split()[:2] == ["rows", "23"] for line in ls.stdout.splitlines()), ls.stdout
     removed = store.gc(keep_last=1)
     assert {a["key"] for a in removed if a["kind"] == "rows"} == set(view_rows(tmp_path / "first")["rows"] +
                                                                       view_rows(tmp_path / "grown")["rows"]) - set(linked)
