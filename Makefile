@@ -16,7 +16,7 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not e2e"
 
-bench: setup  # every stage against its limit: bench/results/<date>-full.{json,md} (about 20 min on 2 cores)
+bench: setup  # every stage against its limit: bench/results/<date>-<cpu>-full.{json,md} (about 45 min on 2 cores)
 	$(PY) -m bench.run --preset full
 
 stack-up: setup  # Prefect server on 127.0.0.1:4200 + work pool + prefect.yaml's deployments + a worker

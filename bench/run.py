@@ -3,7 +3,7 @@
 Writes bench/results/<date>-<cpu>-<name>.json and .md (one file per machine and date). Exit 1 if a decoding invariant is broken (targets that are
 missed are reported, not failed: they are measurements).
 
-Presets: `full` (the embedded SmolLM2-135M-Instruct, under 30 minutes on 2 cores) and `tiny` (the test suite's
+Presets: `full` (the embedded SmolLM2-135M-Instruct, about 45 minutes on 2 cores) and `tiny` (the test suite's
 tiny verifier, minimal sizes: keeps the harness working, numbers meaningless).
 """
 
