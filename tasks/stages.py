@@ -426,25 +426,30 @@ def _training_monitor(log, progress: Progress, epochs: int):
     """speculators' metrics into the run log (every 10th step, every epoch's validation) and the progress bar."""
     from eaglet.train import simulated_acceptance
 
-    steps_per_epoch: dict[int, int] = {}
+    last_step: dict[int, int] = {}  # epoch -> the last global step seen in it (speculators logs every 10th)
+    rows = 0
 
     def short(metrics: dict) -> str:
         return ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith(("loss", "full_acc")))
 
     def on_metrics(row: dict) -> None:
+        nonlocal rows
         epoch = row["epoch"] or 0
         if row["kind"] == "val":
             sim = simulated_acceptance(row["metrics"])
             log.info(f"epoch {epoch} validation: {short(row['metrics'])}"
                      + (f"; simulated acceptance length {sim:.3f}" if sim else ""))
             progress(epoch + 1, epochs, note=f"{epoch + 1} of {epochs} epochs done")
+            last_step[epoch] = row["step"] or last_step.get(epoch, 0)  # the epoch's last step
             return
-        steps_per_epoch[epoch] = steps_per_epoch.get(epoch, 0) + 1
-        n = steps_per_epoch[epoch]
-        if n % 10 == 1:
+        rows += 1
+        if rows % 10 == 1:
             log.info(f"epoch {epoch} step {row['step']}: {short(row['metrics'])}")
-        per_epoch = steps_per_epoch.get(epoch - 1)
-        if per_epoch:  # known after the first epoch
+        step, before = row["step"] or 0, last_step.get(epoch - 1, 0)
+        last_step[epoch] = step
+        if epoch - 1 in last_step:  # an epoch's length is known after the first one
+            per_epoch = last_step[epoch - 1] - last_step.get(epoch - 2, 0)
+            n = step - before
             progress(epoch + min(n / per_epoch, 0.99), epochs,
                      note=f"epoch {epoch + 1} of {epochs}, step {n} of about {per_epoch}")
     return on_metrics
