@@ -81,7 +81,8 @@ def decide(out: Path, draft_key: str, smoke: dict | None, comparison: str | None
 
 
 def keep(out: Path, draft_key: str, promoted: bool) -> Path:
-    """DIR/drafts/<key> from DIR/draft and DIR/report.json (hard links where possible), then DIR/current."""
+    """DIR/drafts/<key> from DIR/draft and DIR/report.json (hard links where possible), then DIR/current. A draft
+    already kept keeps the report of the run that made it (a cached rerun's report says what it loaded, 0)."""
     def build(tmp: Path) -> None:
         for src in [*sorted((out / "draft").iterdir()), out / "report.json"]:
             try:
@@ -89,7 +90,9 @@ def keep(out: Path, draft_key: str, promoted: bool) -> Path:
             except OSError:  # another filesystem
                 shutil.copy2(src, tmp / src.name)
 
-    kept = publish_dir(build, out / DRAFTS / draft_key)
+    kept = out / DRAFTS / draft_key
+    if not (kept / "report.json").is_file():
+        publish_dir(build, kept)
     if promoted:
         tmp = out / f".{CURRENT}-{uuid.uuid4().hex[:8]}"
         os.symlink(Path(DRAFTS) / draft_key, tmp)

@@ -206,3 +206,5 @@ def test_unchanged_night_loads_nothing_and_the_gate_fails_it(nightly, tmp_path):
     assert r["extraction"]["rows_computed"] == len(NEW_PROMPTS)  # the cached dataset's own record
     assert r["gate_failure"] and not r["promotion"]["promoted"]
     assert (nightly["out"] / "current").resolve() == current
+    kept = json.loads((nightly["out"] / "drafts" / Path(r["artifacts"]["draft"]).name / "report.json").read_text())
+    assert kept["verifier_loads"] == 1 and kept["extraction"]["rows_computed"] == len(NEW_PROMPTS)  # the night's own
