@@ -160,11 +160,13 @@ def render_markdown(report: dict) -> str:
 
 
 def _simulated(checkpoint: Path) -> float | None:
-    """The acceptance length the final epoch's validation metrics predict (eaglet.train.simulated_acceptance)."""
-    from eaglet.train import simulated_acceptance
+    """The acceptance length the final epoch's validation metrics predict (eaglet.train.simulated_acceptance),
+    from the metrics eaglet recorded while training (speculators does not always save val_metrics.json)."""
+    from eaglet.train import read_metrics, simulated_acceptance
 
-    f = checkpoint / "val_metrics.json"
-    return simulated_acceptance(json.loads(f.read_text())) if f.is_file() else None
+    val = [r for r in read_metrics(checkpoint) if r["kind"] == "val"]
+    last = max(reversed(val), key=lambda r: r["epoch"] or 0) if val else None  # a resumed run repeats rows: the last
+    return simulated_acceptance(last["metrics"]) if last else None
 
 
 def make_plots(out: Path, checkpoint_dir: str, smoke: dict | None) -> dict[str, str]:
