@@ -175,8 +175,16 @@ def test_nightly_computes_only_new_rows_and_warm_starts(nightly, e2e_run):
     assert r["tasks"]["verifier-baseline"]["state"] == "Cached"
     data, first_data = Path(r["artifacts"]["data"]), Path(first["artifacts"]["data"])
     assert (data / "eval.jsonl").read_text() == (first_data / "eval.jsonl").read_text()  # the same held-out rows
-    assert r["warm_start"]["from"] == first["artifacts"]["checkpoint"]
-    assert r["vocab"]["kept_from"].startswith(first["artifacts"]["checkpoint"])
+    # 'previous': the newest stored draft of this shape trained on other data (the session's other runs on the
+    # first run's data, e.g. the learning-rate rerun, count too)
+    warm = Path(r["warm_start"]["from"])
+    drafts = [json.loads(m.read_text()) | {"path": m.parent} for m in warm.parent.glob("*/manifest.json")]
+    mine = json.loads((warm / "manifest.json").read_text())["inputs"]
+    candidates = [d for d in drafts if d["inputs"].get("shape") == mine["shape"]
+                  and d["inputs"].get("states") != Path(r["artifacts"]["hidden_states"]).name]
+    assert warm == max(candidates, key=lambda d: d["created"])["path"]
+    assert mine["states"] == Path(first["artifacts"]["hidden_states"]).name  # trained on the first run's rows
+    assert r["vocab"]["kept_from"].startswith(str(warm))
     argv = json.loads((Path(r["artifacts"]["checkpoint"]) / "speculators_train_argv.json").read_text())
     assert argv[argv.index("--epochs") + 1] == "1" and "--from-pretrained" in argv
     import numpy as np
