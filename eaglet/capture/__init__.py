@@ -19,7 +19,7 @@ from __future__ import annotations
 from eaglet.errors import EagletError
 
 # Part of the capture cache key: the backends agree to bf16 rounding, not bit for bit.
-CAPTURE_VERSIONS = {"hf": "hf-1", "vllm": "vllm-pass-1"}
+CAPTURE_VERSIONS = {"hf": "hf-1", "vllm": "vllm-row-1"}
 
 
 def vllm_installed() -> bool:

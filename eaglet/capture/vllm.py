@@ -121,8 +121,10 @@ def capture_settings(num_layers: int, max_seq_len: int, dtype: str, regenerate: 
                      temperature: float, responses_per_prompt: int, seed: int) -> dict:
     """Everything besides the verifier and the request that decides a row's bytes (part of its key)."""
     gen = {"max_new_tokens": max_new_tokens, "temperature": temperature, "n": responses_per_prompt, "seed": seed}
+    from eaglet.capture import CAPTURE_VERSIONS
+
     return {"layers": num_layers, "max_seq_len": max_seq_len, "dtype": dtype, "generation": gen if regenerate else None,
-            "version": "vllm-row-1"}
+            "version": CAPTURE_VERSIONS["vllm"]}
 
 
 def plan_rows(tokenizer_path: str, conversations_file: Path, fingerprint: str, settings: dict,
