@@ -209,7 +209,7 @@ def cmd_verifier(args: argparse.Namespace) -> int:
 
     from eaglet import store
     from eaglet.capture import resolve_backend
-    from eaglet.capture.engine import capture_layers, start_engine, stop_engine
+    from eaglet.capture.engine import capture_layers, engine_dtype, start_engine, stop_engine
     from eaglet.config import load_config
     from eaglet.verifier import resolve_verifier
     from tasks.stages import embedded_key, engine_max_model_len
@@ -228,7 +228,8 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     storage = Path(args.storage or store.store_root() / ".engines" / f"serve-{args.port}").resolve()
     engine = start_engine(info.path, info.fingerprint, capture_layers(info.aux_layer_ids, info.num_layers), storage,
                           args.max_model_len or engine_max_model_len(params), e.tensor_parallel_size, e.device,
-                          info.trust_remote_code, host=args.host, port=args.port)
+                          info.trust_remote_code, host=args.host, port=args.port,
+                          dtype=engine_dtype(e.engine_dtype, e.device))
     print(f"verifier engine ready at {engine.endpoint} ({engine.served_name}; captures in {storage})", flush=True)
     print(f"use it with: eaglet run --set verifier.path={info.path} --set verifier.endpoint={engine.endpoint}",
           flush=True)

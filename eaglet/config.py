@@ -5,6 +5,7 @@ Every field has a description, a default and bounds, so invalid values are rejec
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -73,6 +74,10 @@ class ExtractionParams(_Section):
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="GPUs one vLLM extraction engine spans (backend vllm), e.g. 8 for Kimi-K2.5.")
     batch_size: int = Field(8, ge=1, le=1024, description="Sequences per verifier forward pass (a shard).")
+    engine_dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="Compute dtype of the verifier in the data-pass engine (backend vllm). auto: float32 when "
+        "vLLM runs on the CPU (the dtype the smoke test measures the draft with there: the draft trains on the states "
+        "it will read), bfloat16 on GPUs.")
     dtype: Literal["bfloat16", "float32", "fp8"] = Field(
         "bfloat16", description="Stored hidden-state dtype. fp8: e4m3 with one float32 scale per token "
         "(hs-connectors' format, read by speculators' fp8 backend), about half the bytes of bfloat16.")
@@ -114,9 +119,16 @@ class TrainingParams(_Section):
     warm_epochs: int | None = Field(
         None, ge=1, le=1000, description="Epochs when training starts from a previous draft (it needs fewer). "
         "Empty: training.epochs.")
-    cpu_dtype: Literal["bfloat16", "float32"] = Field(
-        "bfloat16", description="Autocast dtype when training on CPU (GPUs always use bfloat16)."
+    cpu_dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="Compute dtype when training on CPU (GPUs always use bfloat16). auto: bfloat16 on CPUs "
+        "with AMX (bf16 matrix units), float32 elsewhere (bf16 matmuls without AMX run at about half float32's speed)."
     )
+    loss: str | dict[str, float] = Field(
+        "kl_div", description="speculators' loss: kl_div (to the verifier's distribution), ce (to its "
+        "top token), lk_hybrid, rkl, jsd, tv, nla, or a JSON mix of weights such as {\"ce\": 0.1, \"tv\": 0.9}.")
+    ttt_step_loss_decay: float = Field(
+        1.0, gt=0, le=1.0, description="Loss weight multiplier per TTT step (1 = every step weighs the same; 0.8 "
+        "weighs step 0, which carries most accepted tokens, more).")
 
 
 class ExportParams(_Section):
@@ -169,6 +181,22 @@ class RunConfig(_Section):
             if min(ids) < 0:
                 raise ValueError(f"aux_layer_ids {ids} has a negative id")
         return v
+
+    @field_validator("training")
+    @classmethod
+    def _loss_known(cls, v: TrainingParams) -> TrainingParams:
+        from speculators.losses import resolve_loss_config  # speculators' own parser: the names it accepts
+
+        try:
+            resolve_loss_config(loss_spec(v.loss), "eager")
+        except ValueError as e:
+            raise ValueError(f"training.loss: {e}") from None
+        return v
+
+
+def loss_spec(loss: str | dict[str, float]) -> str:
+    """training.loss as speculators' --loss-fn takes it (a name, or a JSON dict of weights)."""
+    return loss if isinstance(loss, str) else json.dumps(loss, sort_keys=True)
 
 
 def _parse_value(raw: str) -> Any:

@@ -204,7 +204,13 @@ def capture_settings(verifier: VerifierInfo, cfg: RunConfig) -> dict:
 
     d = cfg.data
     return settings(len(verifier.aux_layer_ids) + 1, d.max_seq_len, cfg.extraction.dtype, d.regenerate,
-                    d.max_new_tokens, d.temperature, d.responses_per_prompt, d.seed)
+                    d.max_new_tokens, d.temperature, d.responses_per_prompt, d.seed, capture_engine_dtype(cfg))
+
+
+def capture_engine_dtype(cfg: RunConfig) -> str:
+    from eaglet.capture.engine import engine_dtype
+
+    return engine_dtype(cfg.extraction.engine_dtype, cfg.extraction.device)
 
 
 def capture_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig, engine=None) -> str:
@@ -234,7 +240,7 @@ def attach_engine(verifier: VerifierInfo, cfg: RunConfig):
     from eaglet.capture.engine import attach, capture_layers
 
     return attach(cfg.verifier.endpoint, verifier.fingerprint, capture_layers(verifier.aux_layer_ids,
-                  verifier.num_layers), engine_max_model_len(cfg))
+                  verifier.num_layers), engine_max_model_len(cfg), capture_engine_dtype(cfg))
 
 
 @task(name="load-verifier", retries=1, retry_delay_seconds=10, retry_condition_fn=_not_user_error)
@@ -253,7 +259,7 @@ def load_verifier(verifier: VerifierInfo, cfg: RunConfig):
     log.info(f"loading the verifier into a vLLM capture engine (tensor parallel {e.tensor_parallel_size})")
     engine = start_engine(verifier.path, verifier.fingerprint, capture_layers(verifier.aux_layer_ids,
                           verifier.num_layers), storage, engine_max_model_len(cfg), e.tensor_parallel_size, e.device,
-                          verifier.trust_remote_code)
+                          verifier.trust_remote_code, dtype=capture_engine_dtype(cfg))
     log.info(f"verifier loaded in {engine.load_seconds:.1f} s")
     return engine
 
@@ -284,7 +290,7 @@ def generate_and_capture(verifier: VerifierInfo, data_dir: str, engine, cfg: Run
         stats = one_pass(engine, verifier.path, Path(data_dir) / "train.jsonl", work, len(verifier.aux_layer_ids) + 1,
                          d.max_seq_len, e.dtype, d.regenerate, d.max_new_tokens, d.temperature,
                          d.responses_per_prompt, d.seed, verifier.trust_remote_code, progress,
-                         fingerprint=verifier.fingerprint)
+                         fingerprint=verifier.fingerprint, engine_dtype=capture_engine_dtype(cfg))
         progress.close()
         file_digests = stats.pop("file_sha256")
         inputs["links"] = {"rows": stats.pop("rows_linked")}
@@ -411,7 +417,10 @@ def training_key(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_d
     from eaglet.convert import read_reference
 
     like = read_reference(cfg.draft.like) if cfg.draft.like else None  # its content, not its path
-    training = cfg.training.model_dump(exclude={"init", "warm_epochs"}) | {"epochs": epochs(init_dir, cfg)}
+    from eaglet.train import cpu_dtype
+
+    training = cfg.training.model_dump(exclude={"init", "warm_epochs"}) | {
+        "epochs": epochs(init_dir, cfg), "cpu_dtype": cpu_dtype(cfg.training.cpu_dtype)}  # 'auto' as resolved here
     return _key("draft_ckpt", states=Path(states_dir).name, vocab=Path(vocab_dir).name, like=like,
                 draft=cfg.draft.model_dump(exclude={"like"}), training=training, init=_init_identity(init_dir),
                 speculators=version("speculators"))

@@ -24,6 +24,8 @@ def test_defaults_and_overrides(tmp_path):
     ("verifier.aux_layer_ids=[-1, 2, 5]", "negative"),
     ("smoke.num_speculative_tokens=99", "smoke.num_speculative_tokens"),
     ("epochs", "not key=value"),
+    ("training.loss=kl", "Unknown loss function 'kl'"),
+    ('training.loss={"ce": 0.5, "nope": 0.5}', "Unknown loss function 'nope'"),
 ])
 def test_invalid_parameters_are_one_clear_sentence(override, message):
     with pytest.raises(EagletError, match=message):
@@ -41,3 +43,13 @@ def test_every_field_is_described():
     for section in RunConfig.model_fields.values():
         for name, field in walk(section.annotation):
             assert field.description, f"{section.annotation.__name__}.{name} has no description"
+
+
+def test_loss_takes_a_name_or_a_weighted_mix_and_reaches_speculators(tmp_path):
+    from eaglet.train import speculators_argv
+
+    for value, spec in (("ce", "ce"), ('{"tv": 0.9, "ce": 0.1}', '{"ce": 0.1, "tv": 0.9}')):
+        cfg = load_config(None, [f"training.loss={value}", "training.ttt_step_loss_decay=0.8"])
+        argv = speculators_argv("/v", tmp_path, tmp_path, tmp_path, [1, 2, 3], 64, cfg.draft, cfg.training)
+        assert argv[argv.index("--loss-fn") + 1] == spec
+        assert argv[argv.index("--ttt-step-loss-decay") + 1] == "0.8"

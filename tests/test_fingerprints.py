@@ -9,6 +9,7 @@ import pytest
 
 from eaglet.config import RunConfig
 from eaglet.data import write_conversations
+from eaglet.train import cpu_dtype
 from eaglet.verifier import VerifierInfo
 from tasks import stages
 
@@ -68,12 +69,23 @@ def _leaves():
             yield section, name
 
 
-def _other_value(model, name, value):
+# 'auto' settings enter the keys resolved on this machine (test_auto_dtypes_enter_resolved)
+AUTO_RESOLVED = {
+    "training.cpu_dtype": lambda cfg: cpu_dtype(cfg.training.cpu_dtype),
+    "extraction.engine_dtype": lambda cfg: stages.capture_engine_dtype(cfg),
+}
+OTHER_VALUE = {"training.loss": "ce"}  # a valid value of a free-form field
+
+
+def _other_value(model, name, value, where=""):
+    if where in OTHER_VALUE:
+        return OTHER_VALUE[where]
     field = type(model).model_fields[name]
     ann = field.annotation
     args = [a for a in typing.get_args(ann) if a is not type(None)]
     if typing.get_origin(ann) is typing.Literal:
-        return next(v for v in typing.get_args(ann) if v != value)
+        same = AUTO_RESOLVED[where](RunConfig()) if value == "auto" else value  # 'auto' is its resolved value
+        return next(v for v in typing.get_args(ann) if v not in (value, same))
     if ann is bool:
         return not value
     if ann is int or int in args:
@@ -106,11 +118,22 @@ def test_every_parameter_changes_the_keys_it_affects(section, name, verifier, da
         pytest.skip(NOT_IN_KEYS[f"{section}.{name}"])
     base = RunConfig.model_validate({"data": {"path": data_file}})  # rows held out by digest (data.eval_fraction)
     sec = getattr(base, section)
-    changed = base.model_copy(update={section: sec.model_copy(update={name: _other_value(sec, name,
-                                                                                          getattr(sec, name))})})
+    other = _other_value(sec, name, getattr(sec, name), f"{section}.{name}")
+    changed = base.model_copy(update={section: sec.model_copy(update={name: other})})
     RunConfig.model_validate(changed.model_dump())  # the perturbed value is a valid parameter
     before, after = _chain(base, verifier, data_file), _chain(changed, verifier, data_file)
     assert before != after, f"{section}.{name} changes no artifact key"
+
+
+@pytest.mark.parametrize("where", sorted(AUTO_RESOLVED))
+def test_auto_dtypes_enter_resolved(where, verifier, data_file):
+    """'auto' and the value it resolves to on this machine are the same artifacts."""
+    section, name = where.split(".")
+    resolved = AUTO_RESOLVED[where](RunConfig())
+    assert resolved in ("bfloat16", "float32")
+    base = RunConfig.model_validate({"data": {"path": data_file}})
+    explicit = base.model_copy(update={section: getattr(base, section).model_copy(update={name: resolved})})
+    assert _chain(base, verifier, data_file) == _chain(explicit, verifier, data_file)
 
 
 def test_verifier_identity_is_in_every_key(verifier, data_file):

