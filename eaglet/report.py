@@ -106,7 +106,9 @@ def render_markdown(report: dict) -> str:
             f"{s['num_speculative_tokens'] + 1})",
             "- acceptance per position: " + ", ".join(f"{a:.3f}" for a in s["acceptance_per_position"]),
             "- simulated from speculators' validation (1 + sum of full_acc_k, final epoch): "
-            + (f"{report['simulated_acceptance']:.3f}" if report.get("simulated_acceptance") else "not available"),
+            + (f"{report['simulated_acceptance']:.3f}; counting only tokens inside the draft vocabulary "
+               f"(full_acc_k x coverage^(k+1)): {report['simulated_acceptance_in_vocab']:.3f}"
+               if report.get("simulated_acceptance") else "not available"),
             f"- lossless (identical outputs with and without the draft): {s['lossless']}",
             f"- tokens/s without draft {s['tokens_per_s_without_draft']:.0f}, with draft "
             f"{s['tokens_per_s_with_draft']:.0f} (batched, vLLM)",
@@ -159,14 +161,14 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _simulated(checkpoint: Path) -> float | None:
+def _simulated(checkpoint: Path, coverage: float = 1.0) -> float | None:
     """The acceptance length the final epoch's validation metrics predict (eaglet.train.simulated_acceptance),
     from the metrics eaglet recorded while training (speculators does not always save val_metrics.json)."""
     from eaglet.train import read_metrics, simulated_acceptance
 
     val = [r for r in read_metrics(checkpoint) if r["kind"] == "val"]
     last = max(reversed(val), key=lambda r: r["epoch"] or 0) if val else None  # a resumed run repeats rows: the last
-    return simulated_acceptance(last["metrics"]) if last else None
+    return simulated_acceptance(last["metrics"], coverage) if last else None
 
 
 def make_plots(out: Path, checkpoint_dir: str, smoke: dict | None) -> dict[str, str]:
@@ -233,6 +235,8 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
         "promotion": promotion,
         "warm_start": {"from": warm_start} if warm_start else None,
         "simulated_acceptance": _simulated(Path(artifacts["checkpoint"])),
+        "simulated_acceptance_in_vocab": _simulated(Path(artifacts["checkpoint"]),
+                                                    _stats(artifacts["vocab"]).get("coverage", 1.0)),
         "finished": time.time(),
         "config_difference": config_difference(json.loads((spec / "config.json").read_text()),
                                                json.loads((draft / "config.json").read_text())),

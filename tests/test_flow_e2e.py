@@ -34,6 +34,7 @@ def test_report_has_the_promised_fields(e2e_run, tiny_verifier):
     assert 1.0 <= s["mean_acceptance_length"] <= 4.0
     assert s["lossless"] is True
     assert 1.0 < r["simulated_acceptance"] <= 4.0  # what speculators' validation predicts, beside the measured
+    assert 1.0 < r["simulated_acceptance_in_vocab"] <= r["simulated_acceptance"]  # discounted by vocab coverage
     assert "mean acceptance length" in (e2e_run["out"] / "report.md").read_text()
 
 
