@@ -167,6 +167,9 @@ def _simulated(checkpoint: Path, coverage: float = 1.0) -> float | None:
     from eaglet.train import read_metrics, simulated_acceptance
 
     val = [r for r in read_metrics(checkpoint) if r["kind"] == "val"]
+    best = checkpoint / "best_epoch.json"  # the epoch delivered (eaglet.train.best_checkpoint); older: the last
+    if best.is_file():
+        val = [r for r in val if r["epoch"] == json.loads(best.read_text())["epoch"]]
     last = max(reversed(val), key=lambda r: r["epoch"] or 0) if val else None  # a resumed run repeats rows: the last
     return simulated_acceptance(last["metrics"], coverage) if last else None
 

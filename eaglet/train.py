@@ -337,6 +337,22 @@ def last_checkpoint(save_path: Path) -> Path:
     return epochs[-1]
 
 
+def best_checkpoint(save_path: Path, metrics_file: Path) -> tuple[Path, float | None]:
+    """The complete epoch checkpoint whose validation predicts the longest acceptance (simulated_acceptance), and
+    that figure; the last epoch when no epoch was validated. speculators' own --save-best ranks by validation loss,
+    which for a KL loss also rewards matching the verifier's low-probability tokens that acceptance never sees."""
+    last = last_checkpoint(save_path)
+    scored = {}
+    for row in read_metrics(metrics_file):
+        if row["kind"] == "val" and (save_path / str(row["epoch"]) / "model.safetensors").is_file():
+            scored[row["epoch"]] = simulated_acceptance(row["metrics"])  # a resumed epoch: its last row wins
+    scored = {e: a for e, a in scored.items() if a is not None and int(e) <= int(last.name)}
+    if not scored:
+        return last, None
+    epoch = max(sorted(scored, reverse=True), key=lambda e: scored[e])  # ties: the later epoch
+    return save_path / str(epoch), scored[epoch]
+
+
 class MetricsRecorder(logging.Handler):
     """speculators logs its metrics as dicts on `speculators.metrics`: after every training step
     {"train": {loss_i, full_acc_i, cond_acc_i per TTT step i}, "epoch", "global_step", ...} and after every

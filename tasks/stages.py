@@ -467,10 +467,10 @@ def _training_monitor(log, progress: Progress, epochs: int):
 @task(name="train-draft", cache_key_fn=_cache_key("draft_ckpt", training_key), persist_result=True)
 def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_dir: str | None,
                 cfg: RunConfig) -> str:
-    """Train with speculators (from scratch or from init_dir); the artifact is the final epoch's checkpoint
-    (nested speculators format), every epoch's under checkpoints/."""
-    from eaglet.train import (METRICS_FILE, discard_incomplete_checkpoints, last_checkpoint, speculators_argv,
-                              train_draft as train, warm_start_weights, write_final_draft)
+    """Train with speculators (from scratch or from init_dir); the artifact is the checkpoint of the epoch whose
+    validation predicts the longest acceptance (nested speculators format), every epoch's under checkpoints/."""
+    from eaglet.train import (METRICS_FILE, best_checkpoint, discard_incomplete_checkpoints, last_checkpoint,
+                              speculators_argv, train_draft as train, warm_start_weights, write_final_draft)
 
     log = get_run_logger()
     n_epochs = epochs(init_dir, cfg)
@@ -495,7 +495,11 @@ def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_di
         progress = Progress("training", "training the draft", "epochs")
         train(argv, work_dir / METRICS_FILE, _training_monitor(log, progress, n_epochs))
         progress.close()
-        write_final_draft(last_checkpoint(work), work_dir)  # the top level is the draft; checkpoints/ keeps every epoch
+        best, predicted = best_checkpoint(work, work_dir / METRICS_FILE)
+        if best != last_checkpoint(work):
+            log.info(f"epoch {int(best.name) + 1} predicts the longest acceptance ({predicted:.3f}): it is the draft")
+        write_final_draft(best, work_dir)  # the top level is the draft; checkpoints/ keeps every epoch
+        (work_dir / "best_epoch.json").write_text(json.dumps({"epoch": int(best.name), "simulated": predicted}))
 
     inputs = {"shape": draft_shape(verifier, cfg), "states": Path(states_dir).name, "init": init_dir}
     with store.in_use(states_dir, vocab_dir, *([init_dir] if init_dir else [])):

@@ -81,3 +81,20 @@ def test_float32_muon_is_upstreams_orthogonalisation_unrounded():
         assert got.dtype == torch.float32 and got.shape == want.shape
         assert (got - want).norm() < 0.02 * want.norm()  # bf16 keeps 8 bits: ~1% apart
     assert muon._zeropower_via_newtonschulz is upstream
+
+
+def test_the_draft_is_the_epoch_validation_predicts_best(tmp_path):
+    from eaglet.train import best_checkpoint
+
+    ckpts = tmp_path / "checkpoints"
+    for e in range(3):
+        (ckpts / str(e)).mkdir(parents=True)
+        (ckpts / str(e) / "config.json").write_text("{}")
+        (ckpts / str(e) / "model.safetensors").write_text("")
+    rows = [{"kind": "val", "epoch": e, "metrics": {"full_acc_0_epoch": a, "full_acc_1_epoch": a / 2}}
+            for e, a in ((0, 0.3), (1, 0.5), (2, 0.4))]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert best_checkpoint(ckpts, metrics) == (ckpts / "1", 1.75)
+    metrics.write_text("")  # no validation recorded: the last epoch
+    assert best_checkpoint(ckpts, metrics) == (ckpts / "2", None)
