@@ -182,6 +182,14 @@ class RunConfig(_Section):
                 raise ValueError(f"aux_layer_ids {ids} has a negative id")
         return v
 
+    @field_validator("data")
+    @classmethod
+    def _no_duplicate_answers(cls, v: DataParams) -> DataParams:
+        if v.regenerate and v.responses_per_prompt > 1 and v.temperature == 0:
+            raise ValueError(f"data.responses_per_prompt={v.responses_per_prompt} at data.temperature=0 would repeat "
+                             "the same greedy answer: set data.temperature above 0 (e.g. 0.7) or responses_per_prompt=1")
+        return v
+
     @field_validator("training")
     @classmethod
     def _loss_known(cls, v: TrainingParams) -> TrainingParams:

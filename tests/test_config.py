@@ -25,6 +25,7 @@ def test_defaults_and_overrides(tmp_path):
     ("smoke.num_speculative_tokens=99", "smoke.num_speculative_tokens"),
     ("epochs", "not key=value"),
     ("training.loss=kl", "Unknown loss function 'kl'"),
+    ("data.responses_per_prompt=2", "repeat the same greedy answer"),
     ('training.loss={"ce": 0.5, "nope": 0.5}', "Unknown loss function 'nope'"),
 ])
 def test_invalid_parameters_are_one_clear_sentence(override, message):
