@@ -250,12 +250,14 @@ def check_init_dir(path: str | Path) -> None:
 
 
 def warm_start_weights(draft: Path) -> Path:
-    """What a warm start loads: a stored draft's last epoch checkpoint (float32, as training left it) when it has
-    one, else the directory itself (a delivered draft, bfloat16)."""
+    """What a warm start loads: the float32 epoch checkpoint a stored draft was delivered from (best_epoch.json;
+    older drafts: the last epoch) when it has one, else the directory itself (a delivered draft, bfloat16)."""
     epochs = draft / "checkpoints"
     if epochs.is_dir():
         with contextlib.suppress(RuntimeError):
-            return last_checkpoint(epochs)
+            best = draft / "best_epoch.json"
+            chosen = epochs / str(json.loads(best.read_text())["epoch"]) if best.is_file() else None
+            return chosen if chosen and (chosen / "model.safetensors").is_file() else last_checkpoint(epochs)
     return draft
 
 
