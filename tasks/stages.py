@@ -469,6 +469,7 @@ def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_di
                 cfg: RunConfig) -> str:
     """Train with speculators (from scratch or from init_dir); the artifact is the checkpoint of the epoch whose
     validation predicts the longest acceptance (nested speculators format), every epoch's under checkpoints/."""
+    from eaglet import acceptance
     from eaglet.train import (METRICS_FILE, best_checkpoint, discard_incomplete_checkpoints, last_checkpoint,
                               speculators_argv, train_draft as train, warm_start_weights, write_final_draft)
 
@@ -500,6 +501,14 @@ def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_di
             log.info(f"epoch {int(best.name) + 1} predicts the longest acceptance ({predicted:.3f}): it is the draft")
         write_final_draft(best, work_dir)  # the top level is the draft; checkpoints/ keeps every epoch
         (work_dir / "best_epoch.json").write_text(json.dumps({"epoch": int(best.name), "simulated": predicted}))
+        try:  # what vLLM should measure: decoding simulated on the validation rows (eaglet.acceptance)
+            sim = acceptance.write(best, argv, work_dir / "acceptance.json")
+        except Exception as e:  # a figure for the report, not a reason to lose the training
+            log.warning(f"could not simulate decoding on the validation rows: {type(e).__name__}: {e}")
+        else:
+            if sim:
+                log.info(f"decoding simulated on {sim['rows']} validation rows: acceptance length "
+                         f"{sim['chain_in_vocab']:.3f} (the position average {sim['position_average']:.3f})")
 
     inputs = {"shape": draft_shape(verifier, cfg), "states": Path(states_dir).name, "init": init_dir}
     with store.in_use(states_dir, vocab_dir, *([init_dir] if init_dir else [])):

@@ -34,7 +34,9 @@ def test_report_has_the_promised_fields(e2e_run, tiny_verifier):
     assert 1.0 <= s["mean_acceptance_length"] <= 4.0
     assert s["lossless"] is True
     assert 1.0 < r["simulated_acceptance"] <= 4.0  # what speculators' validation predicts, beside the measured
-    assert 1.0 < r["simulated_acceptance_in_vocab"] <= r["simulated_acceptance"]  # discounted by vocab coverage
+    d = r["simulated_decoding"]  # decoding simulated on the validation rows (eaglet.acceptance)
+    assert d["rows"] > 0 and abs(d["position_average"] - r["simulated_acceptance"]) < 0.02  # speculators' val rows
+    assert 1.0 <= d["chain_in_vocab"] <= d["chain"] <= 4.0 and len(d["chain_in_vocab_per_position"]) == 3
     assert "mean acceptance length" in (e2e_run["out"] / "report.md").read_text()
 
 

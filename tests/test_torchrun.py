@@ -98,3 +98,19 @@ def test_the_draft_is_the_epoch_validation_predicts_best(tmp_path):
     assert best_checkpoint(ckpts, metrics) == (ckpts / "1", 1.75)
     metrics.write_text("")  # no validation recorded: the last epoch
     assert best_checkpoint(ckpts, metrics) == (ckpts / "2", None)
+
+
+def test_decoding_walks_from_where_the_last_step_ended():
+    """eaglet.acceptance.walk: a step from j accepts the run of right steps (steps after a wrong one do not count)
+    and the next step starts at j + run + 1; positions outside the response are never starts."""
+    import torch
+
+    from eaglet.acceptance import walk
+
+    right = torch.tensor([[1, 1, 0, 1, 1, 1, 1, 0],   # step 0 right from j
+                          [1, 0, 0, 0, 1, 1, 0, 0],   # step 1
+                          [0, 0, 0, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    mask = torch.tensor([0, 1, 1, 1, 1, 1, 1, 1], dtype=torch.bool)
+    # starts: 1 (run 1: step 1 wrong) -> 3 (run 1) -> 5 (run 3) -> 9 > last
+    assert walk(right, mask) == [1, 1, 3]
+    assert walk(right, torch.zeros(8, dtype=torch.bool)) == []
