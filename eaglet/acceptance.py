@@ -24,13 +24,9 @@ from pathlib import Path
 import torch
 
 
-def _arg(argv: list[str], name: str) -> str:
-    return argv[argv.index(name) + 1]
-
-
 def _record_steps():
     """speculators' eagle3 metrics call compute_accuracy_single_step(pred_ids, target_ids, loss_mask, prev) once
-    per TTT step; we keep the first two (the model's own alignment of step k)."""
+    per TTT step; we keep each step's predictions and targets, in the model's own alignment of step k."""
     import speculators.models.eagle3.metrics as metrics
 
     steps: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -76,25 +72,27 @@ def simulate(checkpoint: Path, argv: list[str], max_rows: int = 2000) -> dict | 
     from speculators.train.data import ArrowDataset
     from speculators.train.dataloader import _setup_dataloader
 
+    from eaglet.train import argv_value, argv_values
+
     if "--hidden-states-backend" in argv:
         return None
-    verifier, ttt = _arg(argv, "--verifier-name-or-path"), int(_arg(argv, "--ttt-steps"))
-    total_seq_len = int(_arg(argv, "--total-seq-len"))
-    d2t = torch.from_numpy(np.load(_arg(argv, "--d2t-path")))
-    t2d = torch.from_numpy(np.load(_arg(argv, "--t2d-path"))).bool()
+    verifier, ttt = argv_value(argv, "--verifier-name-or-path"), int(argv_value(argv, "--ttt-steps"))
+    total_seq_len = int(argv_value(argv, "--total-seq-len"))
+    d2t = torch.from_numpy(np.load(argv_value(argv, "--d2t-path")))
+    t2d = torch.from_numpy(np.load(argv_value(argv, "--t2d-path"))).bool()
     config = Eagle3DraftModel.config_class.from_pretrained(str(checkpoint))
     config.transformer_layer_config._attn_implementation = "sdpa"
     model = Eagle3DraftModel.from_pretrained(str(checkpoint), config=config, t2d=t2d, d2t=d2t, verifier=verifier)
     model = model.float().eval()
-    rows = ArrowDataset(max_len=total_seq_len, datapath=_arg(argv, "--data-path"), on_missing="raise",
-                        train_ratio=float(_arg(argv, "--train-data-ratio")), split="val", model=verifier,
+    rows = ArrowDataset(max_len=total_seq_len, datapath=argv_value(argv, "--data-path"), on_missing="raise",
+                        train_ratio=float(argv_value(argv, "--train-data-ratio")), split="val", model=verifier,
                         hidden_states_dtype=torch.float32)
     loader = _setup_dataloader(rows, total_seq_len, config.transformer_layer_config.hidden_size, num_workers=0,
-                               num_target_layers=len(_arg_list(argv, "--target-layer-ids")), prefetch_factor=None,
+                               num_target_layers=len(argv_values(argv, "--target-layer-ids")), prefetch_factor=None,
                                preprocess=shift_batch)
     _, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(
-        loss_fn=_arg(argv, "--loss-fn"), loss_implementation="eager", ttt_steps=ttt,
-        ttt_step_loss_decay=float(_arg(argv, "--ttt-step-loss-decay")))
+        loss_fn=argv_value(argv, "--loss-fn"), loss_implementation="eager", ttt_steps=ttt,
+        ttt_step_loss_decay=float(argv_value(argv, "--ttt-step-loss-decay")))
 
     runs: dict[str, list[int]] = {"all": [], "in_vocab": []}
     right_at, n_positions, n_rows = np.zeros(ttt), 0, 0  # the position average, for comparison
@@ -142,12 +140,3 @@ def write(checkpoint: Path, argv: list[str], out: Path) -> dict | None:
     if result is not None:
         out.write_text(json.dumps(result))
     return result
-
-
-def _arg_list(argv: list[str], name: str) -> list[str]:
-    i = argv.index(name) + 1
-    out = []
-    while i < len(argv) and not argv[i].startswith("--"):
-        out.append(argv[i])
-        i += 1
-    return out

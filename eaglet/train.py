@@ -397,6 +397,17 @@ def simulated_acceptance(val_metrics: Mapping[str, float]) -> float | None:
     return 1.0 + sum(accs) if accs else None
 
 
+def argv_values(argv: list[str], flag: str) -> list[str]:
+    """The values after `flag` in a speculators argv (up to the next flag)."""
+    i = argv.index(flag) + 1
+    j = next((k for k in range(i, len(argv)) if argv[k].startswith("--")), len(argv))
+    return argv[i:j]
+
+
+def argv_value(argv: list[str], flag: str) -> str:
+    return argv_values(argv, flag)[0]
+
+
 def read_metrics(path: Path) -> list[dict]:
     f = path / METRICS_FILE if path.is_dir() else path
     return [json.loads(line) for line in f.read_text().splitlines() if line.strip()] if f.is_file() else []
@@ -450,7 +461,7 @@ def follow_metrics(path: Path, on_metrics: Callable[[dict], None], stop: threadi
 
 
 def _train_with_torchrun(argv: list[str], metrics_file: Path | None, on_metrics, nproc: int) -> None:
-    save_path = Path(argv[argv.index("--save-path") + 1])
+    save_path = Path(argv_value(argv, "--save-path"))
     save_path.mkdir(parents=True, exist_ok=True)
     argv_file = save_path.parent / "torchrun_argv.json"
     argv_file.write_text(json.dumps(torchrun_argv(argv)))
@@ -494,7 +505,7 @@ def train_draft(argv: list[str], metrics_file: Path | None = None,
             if on_accelerator():
                 main(cfg)
             else:
-                f32 = argv[argv.index("--hidden-states-dtype") + 1] == "float32"
+                f32 = argv_value(argv, "--hidden-states-dtype") == "float32"
                 with cpu_patches(), float32_muon() if f32 else contextlib.nullcontext():
                     main(cfg)
     finally:

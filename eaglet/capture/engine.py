@@ -53,10 +53,9 @@ def engine_dtype(setting: str, device: str = "auto") -> str:
     GPUs."""
     if setting != "auto":
         return setting
-    import torch
+    from eaglet.train import on_accelerator
 
-    on_cpu = device == "cpu" or torch.accelerator.current_accelerator(check_available=True) is None
-    return "float32" if on_cpu else "bfloat16"
+    return "float32" if device == "cpu" or not on_accelerator() else "bfloat16"
 
 
 def capture_layers(aux_ids: list[int], num_layers: int) -> list[int]:
