@@ -91,5 +91,7 @@ def e2e_run(session_dir, tiny_verifier) -> dict:
     out = session_dir / "run1"
     sets = [f"--set={s}" for s in TINY_RUN + [f"verifier.path={tiny_verifier}"]]
     proc = run_cli(["run", *sets, "--output-dir", str(out)])
+    log = session_dir / "run1.log"  # kept for the tests' failure messages (a retried task shows only here)
+    log.write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return {"out": out, "report": json.loads((out / "report.json").read_text()), "sets": sets}
+    return {"out": out, "report": json.loads((out / "report.json").read_text()), "sets": sets, "log": log}
