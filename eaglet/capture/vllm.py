@@ -62,6 +62,21 @@ def plan_requests(tokenizer, rows: list[list[dict]], regenerate: bool, max_seq_l
     return requests, skipped
 
 
+def _post(client, url: str, body: dict, attempts: int = 3):
+    """POST, sent again when the server dropped the connection before answering. uvicorn closes a keep-alive
+    connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE idle seconds; a request sent on it at that instant ends in
+    "Server disconnected without sending a response" (seen in CI, under load). A request is idempotent: same ids,
+    same per-request seed, its states in a file of its own."""
+    import httpx
+
+    for attempt in range(attempts):
+        try:
+            return client.post(url, json=body)
+        except (httpx.RemoteProtocolError, httpx.ReadError):
+            if attempt == attempts - 1:
+                raise
+
+
 def _complete(client, engine: Engine, req: dict, gen: dict | None) -> dict:
     """One request; returns the response text, the captured file's path and the generated token count."""
     body = {"model": engine.served_name, "prompt": req["prompt_ids"], "max_tokens": 1, "temperature": 0.0,
@@ -69,7 +84,7 @@ def _complete(client, engine: Engine, req: dict, gen: dict | None) -> dict:
     if gen:
         body.update(max_tokens=gen["max_new_tokens"], temperature=gen["temperature"],
                     seed=gen["seed"] + req["response"], kv_transfer_params={"include_output_tokens": True})
-    r = client.post(f"{engine.endpoint}/v1/completions", json=body)
+    r = _post(client, f"{engine.endpoint}/v1/completions", body)
     if r.status_code != 200:
         raise EngineError(f"the verifier engine answered {r.status_code}: {r.text[:500]}")
     out = r.json()
