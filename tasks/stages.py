@@ -185,7 +185,9 @@ def extraction_backend(cfg: RunConfig) -> str:
     from eaglet.capture import resolve_backend
 
     e = cfg.extraction
-    return resolve_backend(e.backend, e.device, e.tensor_parallel_size, e.workers, e.scheduler_address)
+    backend = "vllm" if cfg.verifier.endpoint and e.backend == "auto" else e.backend  # an endpoint is a vLLM engine
+    return resolve_backend(backend, e.device, e.tensor_parallel_size, e.workers, e.scheduler_address,
+                           sampled=cfg.data.regenerate and cfg.data.temperature > 0)
 
 
 def extraction_key(verifier: VerifierInfo, conversations_dir: str, cfg: RunConfig) -> str:

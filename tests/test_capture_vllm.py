@@ -268,12 +268,14 @@ def test_a_run_against_a_served_verifier_loads_nothing(tiny_verifier, session_di
 def test_backend_checks_before_any_load():
     assert resolve_backend("auto") == "vllm"  # vLLM's CPU backend: one pass, CPU included
     assert resolve_backend("auto", workers=2) == "hf"  # Dask fan-out is the hf backend's
+    assert resolve_backend("auto", sampled=True) == "hf"  # CPU_SAMPLING_BROKEN: a plain engine answers
     for kwargs, words in [
         (dict(backend="vllm", workers=2), "workers and scheduler_address"),
         (dict(backend="vllm", scheduler="tcp://10.0.0.5:8786"), "workers and scheduler_address"),
         (dict(backend="vllm", tensor_parallel_size=2), "needs that many GPUs; 0 visible"),
         (dict(backend="hf", tensor_parallel_size=8), "applies to the vllm backend"),
         (dict(backend="auto", device="cuda:1"), "no CUDA device is visible"),
+        (dict(backend="vllm", sampled=True), "set extraction.backend=hf .* or data.temperature=0"),
     ]:
         with pytest.raises(EagletError, match=words):
             resolve_backend(**kwargs)

