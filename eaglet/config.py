@@ -70,7 +70,8 @@ class ExtractionParams(_Section):
         "parallel over GPUs) generates the responses and captures their hidden states in the same pass: one verifier "
         "load. hf: transformers forward passes (one device, or Dask workers) for verifiers vLLM cannot load; with "
         "regeneration a separate vLLM generation comes first (two loads). auto: vllm wherever vLLM is installed "
-        "(CPU included) and workers is 1, else hf. Same files either way.")
+        "(CPU included) and workers is 1, else hf; on a CPU a sampled run (data.temperature > 0) takes hf, as vLLM's "
+        "capture engine samples unrelated tokens there. Same files either way.")
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="GPUs one vLLM extraction engine spans (backend vllm), e.g. 8 for Kimi-K2.5.")
     batch_size: int = Field(8, ge=1, le=1024, description="Sequences per verifier forward pass (a shard).")
