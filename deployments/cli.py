@@ -217,8 +217,7 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_config(args.config, args.set)
     e = params.extraction
-    resolve_backend("vllm", e.device, e.tensor_parallel_size,
-                    sampled=params.data.regenerate and params.data.temperature > 0)
+    resolve_backend("vllm", e.device, e.tensor_parallel_size, sampled=params.data.sampled)
     path = params.verifier.path
     if not path:  # the embedded SmolLM2, converted once into the store as `eaglet run` does
         from eaglet.embedded import check_params, convert_embedded_verifier

@@ -63,6 +63,11 @@ class DataParams(_Section):
     responses_per_prompt: int = Field(1, ge=1, le=16, description="Responses sampled per prompt.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for the held-out split and for sampling.")
 
+    @property
+    def sampled(self) -> bool:
+        """The verifier's answers are sampled (regenerated at a temperature above 0), not greedy."""
+        return self.regenerate and self.temperature > 0
+
 
 class ExtractionParams(_Section):
     backend: Literal["auto", "hf", "vllm"] = Field(

@@ -46,12 +46,13 @@ def resolve_backend(backend: str = "auto", device: str = "auto", tensor_parallel
     if device.startswith("cuda") and not gpus:
         raise EagletError(f"extraction.device={device} but no CUDA device is visible; use 'auto' or 'cpu'")
     spread = workers > 1 or bool(scheduler)
+    sampled_on_cpu = sampled and not gpus  # CPU_SAMPLING_BROKEN
     if backend == "auto":
-        # vLLM wherever it runs (CPU included): one verifier load for generation and capture; on CPU a sampled
-        # run needs the hf backend (CPU_SAMPLING_BROKEN): a plain vLLM engine answers, transformers captures.
+        # vLLM wherever it runs (CPU included): one verifier load for generation and capture; a sampled run on CPU
+        # takes the hf backend: a plain vLLM engine answers, transformers captures.
         backend = "vllm" if (vllm_installed() and not spread and not (device == "cpu" and gpus)
-                             and not (sampled and not gpus)) else "hf"
-    if backend == "vllm" and sampled and not gpus:
+                             and not sampled_on_cpu) else "hf"
+    if backend == "vllm" and sampled_on_cpu:
         raise EagletError(f"{CPU_SAMPLING_BROKEN}: set extraction.backend=hf (a plain vLLM engine answers, "
                           "transformers captures; two verifier loads) or data.temperature=0")
     if backend == "hf":

@@ -116,7 +116,7 @@ def start_engine(verifier: str, fingerprint: str, layers: list[int], storage: Pa
     port = port or free_port(host)
     name = served_name(fingerprint, layers, dtype)
     env = vllm_env()
-    env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "600")  # the pass's connections idle between requests (eaglet.capture.vllm._post)
+    env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "600")  # idle connections kept (eaglet.capture.vllm._post)
     if device.startswith("cuda:"):
         env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
     log_file = storage / "server.log"
