@@ -472,8 +472,8 @@ def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_di
     """Train with speculators (from scratch or from init_dir); the artifact is the checkpoint of the epoch whose
     validation predicts the longest acceptance (nested speculators format), every epoch's under checkpoints/."""
     from eaglet import acceptance
-    from eaglet.train import (METRICS_FILE, best_checkpoint, discard_incomplete_checkpoints, last_checkpoint,
-                              speculators_argv, train_draft as train, warm_start_weights, write_final_draft)
+    from eaglet.train import (METRICS_FILE, best_checkpoint, discard_incomplete_checkpoints, speculators_argv,
+                              train_draft as train, warm_start_weights, write_final_draft)
 
     log = get_run_logger()
     n_epochs = epochs(init_dir, cfg)
@@ -499,8 +499,9 @@ def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_di
         train(argv, work_dir / METRICS_FILE, _training_monitor(log, progress, n_epochs))
         progress.close()
         best, predicted = best_checkpoint(work, work_dir / METRICS_FILE)
-        if best != last_checkpoint(work):
-            log.info(f"epoch {int(best.name) + 1} predicts the longest acceptance ({predicted:.3f}): it is the draft")
+        if predicted is not None:
+            log.info(f"epoch {int(best.name) + 1} of {n_epochs} predicts the longest acceptance ({predicted:.3f}): "
+                     "it is the draft")
         write_final_draft(best, work_dir)  # the top level is the draft; checkpoints/ keeps every epoch
         (work_dir / "best_epoch.json").write_text(json.dumps({"epoch": int(best.name), "simulated": predicted}))
         try:  # what vLLM should measure: decoding simulated on the validation rows (eaglet.acceptance)

