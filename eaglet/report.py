@@ -176,11 +176,11 @@ def _decoding(report: dict) -> str:
 def _simulated(checkpoint: Path) -> float | None:
     """The acceptance length the delivered epoch's validation metrics predict (eaglet.train.simulated_acceptance),
     from the metrics eaglet recorded while training (speculators does not always save val_metrics.json)."""
-    from eaglet.train import read_metrics, simulated_acceptance
+    from eaglet.train import read_delivered, read_metrics, simulated_acceptance
 
-    best = _json(checkpoint / "best_epoch.json")  # the delivered epoch and its figure (eaglet.train.best_checkpoint)
-    if best:
-        return best["simulated"]
+    delivered = read_delivered(checkpoint)  # the delivered epoch and its figure (eaglet.train.best_checkpoint)
+    if delivered:
+        return delivered["simulated"]
     val = [r for r in read_metrics(checkpoint) if r["kind"] == "val"]  # older drafts: the last epoch's
     last = max(reversed(val), key=lambda r: r["epoch"] or 0) if val else None  # a resumed run repeats rows: the last
     return simulated_acceptance(last["metrics"]) if last else None

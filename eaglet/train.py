@@ -249,14 +249,27 @@ def check_init_dir(path: str | Path) -> None:
                           "model.safetensors); use 'scratch', 'previous' or such a directory")
 
 
+DELIVERED_FILE = "best_epoch.json"  # in a draft_ckpt artifact: which epoch is the draft, and what it predicts
+
+
+def write_delivered(draft: Path, epoch_dir: Path, predicted: float | None) -> None:
+    (draft / DELIVERED_FILE).write_text(json.dumps({"epoch": int(epoch_dir.name), "simulated": predicted}))
+
+
+def read_delivered(draft: Path) -> dict | None:
+    """{"epoch", "simulated"} of the epoch a stored draft was delivered from (None for drafts older than it)."""
+    path = draft / DELIVERED_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def warm_start_weights(draft: Path) -> Path:
-    """What a warm start loads: the float32 epoch checkpoint a stored draft was delivered from (best_epoch.json;
-    older drafts: the last epoch) when it has one, else the directory itself (a delivered draft, bfloat16)."""
+    """What a warm start loads: the float32 epoch checkpoint a stored draft was delivered from (older drafts: the
+    last epoch) when it has one, else the directory itself (a delivered draft, bfloat16)."""
     epochs = draft / "checkpoints"
     if epochs.is_dir():
         with contextlib.suppress(RuntimeError):
-            best = draft / "best_epoch.json"
-            chosen = epochs / str(json.loads(best.read_text())["epoch"]) if best.is_file() else None
+            delivered = read_delivered(draft)
+            chosen = epochs / str(delivered["epoch"]) if delivered else None
             return chosen if chosen and (chosen / "model.safetensors").is_file() else last_checkpoint(epochs)
     return draft
 

@@ -473,7 +473,7 @@ def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_di
     validation predicts the longest acceptance (nested speculators format), every epoch's under checkpoints/."""
     from eaglet import acceptance
     from eaglet.train import (METRICS_FILE, best_checkpoint, discard_incomplete_checkpoints, speculators_argv,
-                              train_draft as train, warm_start_weights, write_final_draft)
+                              train_draft as train, warm_start_weights, write_delivered, write_final_draft)
 
     log = get_run_logger()
     n_epochs = epochs(init_dir, cfg)
@@ -503,7 +503,7 @@ def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_di
             log.info(f"epoch {int(best.name) + 1} of {n_epochs} predicts the longest acceptance ({predicted:.3f}): "
                      "it is the draft")
         write_final_draft(best, work_dir)  # the top level is the draft; checkpoints/ keeps every epoch
-        (work_dir / "best_epoch.json").write_text(json.dumps({"epoch": int(best.name), "simulated": predicted}))
+        write_delivered(work_dir, best, predicted)
         try:  # what vLLM should measure: decoding simulated on the validation rows (eaglet.acceptance)
             sim = acceptance.write(best, argv, work_dir / "acceptance.json")
         except Exception as e:  # a figure for the report, not a reason to lose the training

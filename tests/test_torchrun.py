@@ -100,6 +100,21 @@ def test_the_draft_is_the_epoch_validation_predicts_best(tmp_path):
     assert best_checkpoint(ckpts, metrics) == (ckpts / "2", None)
 
 
+def test_a_warm_start_loads_the_epoch_the_draft_was_delivered_from(tmp_path):
+    from eaglet.report import _simulated
+    from eaglet.train import read_delivered, warm_start_weights, write_delivered
+
+    draft = tmp_path / "draft"
+    for e in range(3):
+        (draft / "checkpoints" / str(e)).mkdir(parents=True)
+        (draft / "checkpoints" / str(e) / "model.safetensors").write_text("")
+        (draft / "checkpoints" / str(e) / "config.json").write_text("{}")
+    assert read_delivered(draft) is None and warm_start_weights(draft) == draft / "checkpoints" / "2"  # older drafts
+    write_delivered(draft, draft / "checkpoints" / "1", 1.75)
+    assert read_delivered(draft) == {"epoch": 1, "simulated": 1.75} and _simulated(draft) == 1.75
+    assert warm_start_weights(draft) == draft / "checkpoints" / "1"
+
+
 def test_decoding_walks_from_where_the_last_step_ended():
     """eaglet.acceptance.walk: a step from j accepts the run of right steps (steps after a wrong one do not count)
     and the next step starts at j + run + 1; positions outside the response are never starts."""
