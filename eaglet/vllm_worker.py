@@ -37,11 +37,27 @@ def _engine(job: dict):
             "model": job["draft"],
             "num_speculative_tokens": job["k"],
         }
+    for knob in ("max_num_batched_tokens", "max_num_seqs"):  # the scheduler's per-step budget (vLLM's defaults)
+        if knob in job:
+            kwargs[knob] = job[knob]
     if "gpu_memory_utilization" in job:
         kwargs["gpu_memory_utilization"] = job["gpu_memory_utilization"]
     if job.get("load_format", "auto") != "auto":
         kwargs["load_format"] = job["load_format"]
     return LLM(**kwargs)
+
+
+def request_seed(job: dict) -> int | None:
+    """The per-request sampling seed, or None on vLLM's CPU backend when sampling: vLLM 0.32's model runner
+    rewinds a seeded request's generator (`set_offset`, gpu_model_runner) after every partial prefill, and torch's
+    CPU generator has no offset ("CPU Generator does not use offset"), so the first seeded request prefilled in
+    chunks kills a CPU engine (a batch of 1,840 sampled answers died within a minute). Unseeded requests draw from
+    the engine's generator, seeded by LLM(seed=...)."""
+    from vllm.platforms import current_platform
+
+    if job.get("temperature", 0.0) > 0 and current_platform.is_cpu():
+        return None
+    return job.get("seed", 0)
 
 
 def _counters(llm) -> dict:
@@ -70,7 +86,7 @@ def run(job: dict) -> dict:
         n=job.get("n", 1),
         temperature=job.get("temperature", 0.0),
         max_tokens=job["max_tokens"],
-        seed=job.get("seed", 0),
+        seed=request_seed(job),
     )
     if job.get("warmup"):  # the first generation pays one-off costs that are not decoding speed
         llm.chat(convs[:1], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
