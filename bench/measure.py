@@ -266,7 +266,8 @@ def decoding(verifier_path: str, draft: str, prompts: list, ks: list[int], max_t
             "load_seconds": res["load_seconds"],
         })
     return {"prompts": len(prompts), "max_tokens": max_tokens, "dtype": dtype,
-            "baseline_tokens_per_s_batched": base["tokens_per_s"], "baseline_seconds_batched": base["seconds"], "k": rows,
+            "baseline_tokens_per_s_batched": base["tokens_per_s"], "baseline_seconds_batched": base["seconds"],
+            "k": rows,
             "batch1": {**batch1, "rows": b1}}
 
 

