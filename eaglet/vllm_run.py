@@ -21,31 +21,34 @@ class VLLMError(RuntimeError):
     """vLLM failed in its child process (start-up, load or generation). Transient failures are retried."""
 
 
-# Hosts with at most this many CPUs run vLLM's CPU worker on all of them (see cpu_threads_bind).
+# Hosts with at most this many CPUs run an offline vLLM engine's worker on all of them (see cpu_threads_bind).
 SMALL_HOST_CPUS = 4
 
 
 def cpu_threads_bind(cpus: set[int] | None = None) -> str | None:
-    """The VLLM_CPU_OMP_THREADS_BIND eaglet sets for a small host: every CPU this process may use ("0,1"); None
-    on a bigger host (vLLM's own "auto" binding applies there).
+    """The VLLM_CPU_OMP_THREADS_BIND for an offline engine on a small host: every CPU this process may use
+    ("0,1"); None on a bigger host (vLLM's own "auto" binding applies there).
 
     vLLM's CPU backend ("auto", vllm/utils/ompmultiprocessing.py) reserves one core per rank for its scheduler
-    process and binds the worker's OpenMP threads to the rest: on 2 cores the verifier's forward ran on ONE
-    core. Measured on this project's 2-core machine (SmolLM2-135M float32, 128 chat prompts x 64 greedy tokens,
-    one offline engine each): 204 tokens/s with "auto" against 336 with both cores bound, the same tokens. On a
-    bigger host the reserved core costs little and an OpenMP thread sharing its core with the busy scheduler
-    would slow every parallel region, so vLLM's choice stands there."""
+    and front end and binds the worker's OpenMP threads to the rest: on 2 cores the verifier's forward ran on
+    ONE core. Measured on this project's 2-core machine (SmolLM2-135M float32, offline engine, greedy, one run
+    each): 256 prompts x 128 tokens 227 tokens/s with "auto" against 384 with both cores bound, 40 x 128 (the
+    baseline's size) 187 against 220, the same token counts. Not for the capture server (`vllm_env(all_cores=False)`):
+    its API server and eaglet's client use the reserved core fully there (256 prompts x 128 tokens: 262 tokens/s
+    with "auto", 241 with both cores bound). On a bigger host the reserved core costs little, and an OpenMP
+    thread sharing a core with the busy scheduler would slow every parallel region, so vLLM's choice stands."""
     cpus = os.sched_getaffinity(0) if cpus is None else cpus
     if len(cpus) > SMALL_HOST_CPUS:
         return None
     return ",".join(str(c) for c in sorted(cpus))
 
 
-def vllm_env() -> dict[str, str]:
+def vllm_env(all_cores: bool = False) -> dict[str, str]:
+    """The environment of a vLLM child process. all_cores: an offline engine (see cpu_threads_bind)."""
     env = dict(os.environ)
     # On CPU, vLLM reserves KV cache from host RAM; its GPU-style default fraction does not fit here.
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    bind = cpu_threads_bind()
+    bind = cpu_threads_bind() if all_cores else None
     if bind is not None:  # a CPU-backend setting: GPU runs ignore it
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -80,7 +83,7 @@ def run_vllm_job(job: dict, timeout: float | None = None, progress=None, env: di
         tail: deque[str] = deque(maxlen=40)
         proc = subprocess.Popen(
             [sys.executable, "-m", "eaglet.vllm_worker", str(job_file)], start_new_session=True,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**vllm_env(), **(env or {})}, cwd=tmp,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**vllm_env(all_cores=True), **(env or {})}, cwd=tmp,
         )
         assert proc.stdout is not None
         try:

@@ -17,9 +17,9 @@ def test_sampled_answers_survive_a_chunked_prefill(tiny_verifier):
 
 
 def test_small_hosts_run_vllm_on_every_core(monkeypatch):
-    """vLLM's "auto" CPU binding keeps one core for its scheduler: on 2 cores the verifier ran on one
-    (eaglet.vllm_run.cpu_threads_bind). eaglet binds all of a small host's CPUs, leaves bigger hosts and an
-    explicit setting alone."""
+    """vLLM's "auto" CPU binding keeps one core for its scheduler: on 2 cores an offline engine ran the verifier
+    on one (eaglet.vllm_run.cpu_threads_bind). eaglet binds all of a small host's CPUs for offline engines, and
+    leaves the capture server, bigger hosts and an explicit setting alone."""
     from eaglet.vllm_run import SMALL_HOST_CPUS, cpu_threads_bind, vllm_env
 
     assert cpu_threads_bind({0, 1}) == "0,1"
@@ -27,9 +27,10 @@ def test_small_hosts_run_vllm_on_every_core(monkeypatch):
     assert cpu_threads_bind(set(range(SMALL_HOST_CPUS + 1))) is None
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
-    assert vllm_env()["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+    assert vllm_env(all_cores=True)["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_env()  # the capture server
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
-    assert vllm_env()["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert vllm_env(all_cores=True)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_env()
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_env(all_cores=True)
