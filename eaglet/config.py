@@ -81,7 +81,8 @@ class ExtractionParams(_Section):
         1, ge=1, le=64, description="GPUs one vLLM extraction engine spans (backend vllm), e.g. 8 for Kimi-K2.5.")
     batch_size: int = Field(8, ge=1, le=1024, description="Sequences per verifier forward pass (a shard).")
     engine_dtype: Literal["auto", "bfloat16", "float32"] = Field(
-        "auto", description="Compute dtype of the verifier in the data-pass engine (backend vllm). auto: float32 when "
+        "auto", description="Compute dtype of the verifier in the data pass's vLLM engine (the capture engine, or the "
+        "hf backend's regeneration). auto: float32 when "
         "vLLM runs on the CPU (the dtype the smoke test measures the draft with there: the draft trains on the states "
         "it will read), bfloat16 on GPUs.")
     dtype: Literal["bfloat16", "float32", "fp8"] = Field(

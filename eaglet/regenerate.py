@@ -18,6 +18,7 @@ def regenerate_responses(
     responses_per_prompt: int = 1,
     seed: int = 0,
     progress=None,
+    dtype: str = "bfloat16",
 ) -> dict:
     rows = read_conversations(conversations_file)
     prompts = [prompt_part(msgs) for msgs in rows]
@@ -29,7 +30,10 @@ def regenerate_responses(
         "temperature": temperature,
         "n": responses_per_prompt,
         "seed": seed,
-        "chunk": 64,
+        "dtype": dtype,  # the engine's compute dtype
+        # sequences per generate call: 256 keeps vLLM's batch full most of the call (64 left it draining at every
+        # call's end: 256 prompts x 128 sampled tokens, float32, 2 cores: 297 tokens/s in calls of 64, 442 in one)
+        "chunk": max(1, 256 // responses_per_prompt),
     }, progress=progress)
     out_rows = []
     for prompt, texts in zip(prompts, result["texts"]):

@@ -156,7 +156,8 @@ def prepare_data(data_file: str, cfg: RunConfig) -> str:
 def regen_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
     d = cfg.data
     return _key("responses", verifier=verifier.fingerprint, data=Path(data_dir).name, max_new_tokens=d.max_new_tokens,
-                temperature=d.temperature, n=d.responses_per_prompt, seed=d.seed, max_seq_len=d.max_seq_len)
+                temperature=d.temperature, n=d.responses_per_prompt, seed=d.seed, max_seq_len=d.max_seq_len,
+                engine_dtype=capture_engine_dtype(cfg))
 
 
 @task(name="regenerate-responses", cache_key_fn=_cache_key("responses", regen_key), persist_result=True,
@@ -171,7 +172,8 @@ def regenerate_responses(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) 
         progress = Progress("regeneration", "regenerating responses", "conversations")
         stats = regen(verifier.path, Path(data_dir) / "train.jsonl", tmp / "train.jsonl", d.max_new_tokens,
                       max_model_len=d.max_seq_len + d.max_new_tokens, temperature=d.temperature,
-                      responses_per_prompt=d.responses_per_prompt, seed=d.seed, progress=progress)
+                      responses_per_prompt=d.responses_per_prompt, seed=d.seed, progress=progress,
+                      dtype=capture_engine_dtype(cfg))
         progress.close()
         (tmp / "stats.json").write_text(json.dumps(stats))
         get_run_logger().info(f"regenerated {stats['output_tokens']} tokens at {stats['tokens_per_s']:.0f} tokens/s")
