@@ -41,12 +41,12 @@ def chunked_sdpa(sdpa):
                 or attention_mask.shape[:2] != (1, 1) or kv_len % q_len or q_len <= CHUNK):
             return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
         mask = attention_mask[0, 0]
+        chunks = [(start, min(start + CHUNK, q_len)) for start in range(0, q_len, CHUNK)]
+        columns = [_chunk_columns(mask, start, stop, q_len) for start, stop in chunks]
+        if any(cols is None for cols in columns):  # decided before any chunk is computed
+            return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
         outputs = []
-        for start in range(0, q_len, CHUNK):
-            stop = min(start + CHUNK, q_len)
-            cols = _chunk_columns(mask, start, stop, q_len)
-            if cols is None:
-                return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+        for (start, stop), cols in zip(chunks, columns):
             k = torch.cat([key[:, :, c] for c in cols], dim=2)
             v = torch.cat([value[:, :, c] for c in cols], dim=2)
             m = torch.cat([attention_mask[:, :, start:stop, c] for c in cols], dim=3)

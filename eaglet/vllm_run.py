@@ -83,7 +83,8 @@ def run_vllm_job(job: dict, timeout: float | None = None, progress=None, env: di
         tail: deque[str] = deque(maxlen=40)
         proc = subprocess.Popen(
             [sys.executable, "-m", "eaglet.vllm_worker", str(job_file)], start_new_session=True,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**vllm_env(all_cores=True), **(env or {})}, cwd=tmp,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp,
+            env={**vllm_env(all_cores=True), **(env or {})},
         )
         assert proc.stdout is not None
         try:
