@@ -42,6 +42,10 @@ def prefect_defaults() -> dict[str, str]:
         "PREFECT_LOGGING_EXTRA_LOGGERS": "eaglet",
         "TOKENIZERS_PARALLELISM": "false",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # no network here; avoids telemetry errors
+        # `eaglet run`'s temporary server migrates a fresh SQLite database before it answers; Prefect gives it 20 s,
+        # which a busy 2-core machine exceeded (CI 2026-12-01: "Timed out while attempting to connect to ephemeral
+        # Prefect API server" after 21 s, the test suite running beside it).
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     }
 
 
