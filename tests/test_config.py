@@ -1,9 +1,14 @@
 """The one parameter model: YAML, --set overrides, and validation before any work."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from eaglet.config import RunConfig, load_config
 from eaglet.errors import EagletError
+from tests.conftest import ROOT
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -54,3 +59,14 @@ def test_loss_takes_a_name_or_a_weighted_mix_and_reaches_speculators(tmp_path):
         argv = speculators_argv("/v", tmp_path, tmp_path, tmp_path, [1, 2, 3], 64, cfg.draft, cfg.training)
         assert argv[argv.index("--loss-fn") + 1] == spec
         assert argv[argv.index("--ttt-step-loss-decay") + 1] == "0.8"
+
+
+def test_eaglet_processes_give_the_temporary_server_time_to_start():
+    """`eaglet run` starts Prefect's temporary server, which must migrate a fresh SQLite database first: Prefect's
+    20 s ran out on a busy 2-core CI machine. The default eaglet sets must be the one Prefect reads."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_SERVER_EPHEMERAL")}
+    code = ("from deployments.cli import _prefect_env; _prefect_env(); "
+            "from prefect.settings import get_current_settings as s; "
+            "print(s().server.ephemeral.startup_timeout_seconds)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    assert int(out.stdout.split()[-1]) >= 120
