@@ -217,8 +217,6 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_config(args.config, args.set)
     e = params.extraction
-    # no sampled check here: the engine answers as each run asks; a sampled run against it on a CPU is refused
-    # by the run itself (eaglet.capture.CPU_SAMPLING_BROKEN)
     resolve_backend("vllm", e.device, e.tensor_parallel_size)
     path = params.verifier.path
     if not path:  # the embedded SmolLM2, converted once into the store as `eaglet run` does

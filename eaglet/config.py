@@ -63,11 +63,6 @@ class DataParams(_Section):
     responses_per_prompt: int = Field(1, ge=1, le=16, description="Responses sampled per prompt.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for the held-out split and for sampling.")
 
-    @property
-    def sampled(self) -> bool:
-        """The verifier's answers are sampled (regenerated at a temperature above 0), not greedy."""
-        return self.regenerate and self.temperature > 0
-
 
 class ExtractionParams(_Section):
     backend: Literal["auto", "hf", "vllm"] = Field(
@@ -75,8 +70,7 @@ class ExtractionParams(_Section):
         "parallel over GPUs) generates the responses and captures their hidden states in the same pass: one verifier "
         "load. hf: transformers forward passes (one device, or Dask workers) for verifiers vLLM cannot load; with "
         "regeneration a separate vLLM generation comes first (two loads). auto: vllm wherever vLLM is installed "
-        "(CPU included) and workers is 1, else hf; on a CPU a sampled run (data.temperature > 0) takes hf, as vLLM's "
-        "capture engine samples unrelated tokens there. Same files either way.")
+        "(CPU included) and workers is 1, else hf. Same files either way.")
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="GPUs one vLLM extraction engine spans (backend vllm), e.g. 8 for Kimi-K2.5.")
     batch_size: int = Field(8, ge=1, le=1024, description="Sequences per verifier forward pass (a shard).")

@@ -188,8 +188,7 @@ def extraction_backend(cfg: RunConfig) -> str:
 
     e = cfg.extraction
     backend = "vllm" if cfg.verifier.endpoint and e.backend == "auto" else e.backend  # an endpoint is a vLLM engine
-    return resolve_backend(backend, e.device, e.tensor_parallel_size, e.workers, e.scheduler_address,
-                           sampled=cfg.data.sampled)
+    return resolve_backend(backend, e.device, e.tensor_parallel_size, e.workers, e.scheduler_address)
 
 
 def extraction_key(verifier: VerifierInfo, conversations_dir: str, cfg: RunConfig) -> str:

@@ -4,6 +4,7 @@ up with `eaglet verifier serve`, used by a run that then loads nothing; the chec
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -101,6 +102,61 @@ def test_one_pass_writes_speculators_dataset_and_the_answers(one_pass, tiny_veri
         assert mask == [0] * n_prompt + [1] * (len(ids) - n_prompt)  # the loss is on the verifier's answer only
         assert answers[i][-1]["role"] == "assistant"
     assert not list(out.rglob(".shards"))  # records dropped once the artifact is whole
+
+
+def _strip(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        else:
+            out.append(a)
+    return out
+
+
+@pytest.mark.skipif(visible_accelerators() > 0, reason="the capture scheduler is the CPU path")
+def test_capture_engine_samples_as_a_plain_engine(engine, tiny_verifier, conversations, tmp_path):
+    """Sampled answers (temperature 0.8, a seed per request) from the capture engine are token for token those of
+    a plain vLLM server with the same settings and no capture method. Before eaglet.capture.scheduler, vLLM's
+    capture engine on CPU sampled unrelated tokens (its placeholder draft went through the rejection sampler)."""
+    from eaglet.capture.engine import _healthy, server_argv
+    from eaglet.capture.vllm import chat_prompt_ids
+    from eaglet.data import prompt_part, read_conversations
+    from eaglet.vllm_run import vllm_env
+    from transformers import AutoTokenizer
+
+    assert "eaglet.capture.scheduler.CaptureScheduler" in server_argv("v", "n", [1], tmp_path, 64, "h", 1)
+    tok = AutoTokenizer.from_pretrained(tiny_verifier)
+    prompts = [chat_prompt_ids(tok, prompt_part(m)) for m in read_conversations(conversations)[:8]]
+    port = free_port()
+    argv = _strip(server_argv(str(tiny_verifier), "plain", [1], tmp_path, MAX_SEQ + NEW, "127.0.0.1", port),
+                  ("--speculative-config", "--kv-transfer-config", "--scheduler-cls", "--served-model-name"))
+    plain = subprocess.Popen(argv, stdout=open(tmp_path / "plain.log", "w"), stderr=subprocess.STDOUT,
+                             env=vllm_env(), start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while not _healthy(f"http://127.0.0.1:{port}"):
+            assert plain.poll() is None and time.time() < deadline, (tmp_path / "plain.log").read_text()[-3000:]
+            time.sleep(0.5)
+        answers = {"capture": [], "plain": []}
+        with httpx.Client(timeout=600) as client:
+            for i, ids in enumerate(prompts):
+                body = {"prompt": ids, "max_tokens": NEW, "temperature": 0.8, "seed": 100 + i}
+                r = client.post(f"{engine.endpoint}/v1/completions", json=dict(body, model=engine.served_name))
+                answers["capture"].append(r.json()["choices"][0]["text"])
+                r = client.post(f"http://127.0.0.1:{port}/v1/completions", json=dict(body, model=str(tiny_verifier)))
+                answers["plain"].append(r.json()["choices"][0]["text"])
+        assert answers["capture"] == answers["plain"]
+        assert len(set(answers["plain"])) > 1  # sampled, not one answer repeated
+    finally:
+        os.killpg(plain.pid, signal.SIGTERM)
+        try:
+            plain.wait(timeout=60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(plain.pid, signal.SIGKILL)
 
 
 def test_prefill_pass_matches_the_hf_backend(engine, tiny_verifier, conversations, tmp_path):
@@ -268,14 +324,12 @@ def test_a_run_against_a_served_verifier_loads_nothing(tiny_verifier, session_di
 def test_backend_checks_before_any_load():
     assert resolve_backend("auto") == "vllm"  # vLLM's CPU backend: one pass, CPU included
     assert resolve_backend("auto", workers=2) == "hf"  # Dask fan-out is the hf backend's
-    assert resolve_backend("auto", sampled=True) == "hf"  # CPU_SAMPLING_BROKEN: a plain engine answers
     for kwargs, words in [
         (dict(backend="vllm", workers=2), "workers and scheduler_address"),
         (dict(backend="vllm", scheduler="tcp://10.0.0.5:8786"), "workers and scheduler_address"),
         (dict(backend="vllm", tensor_parallel_size=2), "needs that many GPUs; 0 visible"),
         (dict(backend="hf", tensor_parallel_size=8), "applies to the vllm backend"),
         (dict(backend="auto", device="cuda:1"), "no CUDA device is visible"),
-        (dict(backend="vllm", sampled=True), "set extraction.backend=hf .* or data.temperature=0"),
     ]:
         with pytest.raises(EagletError, match=words):
             resolve_backend(**kwargs)

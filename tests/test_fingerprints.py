@@ -117,7 +117,7 @@ def test_every_parameter_changes_the_keys_it_affects(section, name, verifier, da
     if f"{section}.{name}" in NOT_IN_KEYS:
         pytest.skip(NOT_IN_KEYS[f"{section}.{name}"])
     # rows held out by digest (data.eval_fraction); sampled answers only where more than one per prompt is
-    # perturbed (on CPU a sampled run takes the hf backend, where the vllm pass's fields enter no key)
+    # perturbed (more than one greedy answer per prompt is refused)
     sampled = {"temperature": 0.7} if name == "responses_per_prompt" else {}
     base = RunConfig.model_validate({"data": {"path": data_file, **sampled}})
     sec = getattr(base, section)

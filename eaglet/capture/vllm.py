@@ -139,7 +139,8 @@ def capture_settings(num_layers: int, max_seq_len: int, dtype: str, regenerate: 
     from eaglet.capture import CAPTURE_VERSIONS
 
     return {"layers": num_layers, "max_seq_len": max_seq_len, "dtype": dtype, "generation": gen if regenerate else None,
-            "engine_dtype": engine_dtype, "version": CAPTURE_VERSIONS["vllm"]}
+            "engine_dtype": engine_dtype,
+            "version": CAPTURE_VERSIONS["vllm-sampled" if regenerate and temperature > 0 else "vllm"]}
 
 
 def plan_rows(tokenizer_path: str, conversations_file: Path, fingerprint: str, settings: dict,
