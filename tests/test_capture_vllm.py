@@ -133,8 +133,8 @@ def test_capture_engine_samples_as_a_plain_engine(engine, tiny_verifier, convers
     port = free_port()
     argv = _strip(server_argv(str(tiny_verifier), "plain", [1], tmp_path, MAX_SEQ + NEW, "127.0.0.1", port),
                   ("--speculative-config", "--kv-transfer-config", "--scheduler-cls", "--served-model-name"))
-    plain = subprocess.Popen(argv, stdout=open(tmp_path / "plain.log", "w"), stderr=subprocess.STDOUT,
-                             env=vllm_env(), start_new_session=True)
+    with open(tmp_path / "plain.log", "w") as log:  # the child keeps its own copy of the descriptor
+        plain = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True)
     try:
         deadline = time.time() + 600
         while not _healthy(f"http://127.0.0.1:{port}"):

@@ -31,7 +31,6 @@ def vllm_installed() -> bool:
     return find_spec("vllm") is not None
 
 
-
 def resolve_backend(backend: str = "auto", device: str = "auto", tensor_parallel_size: int = 1, workers: int = 1,
                     scheduler: str | None = None) -> str:
     """The backend a run will use ('auto' resolved), or one sentence saying which setting to change. Checked
