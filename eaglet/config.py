@@ -148,7 +148,9 @@ class SmokeParams(_Section):
     max_tokens: int = Field(128, ge=1, le=8192, description="Tokens generated per held-out prompt.")
     num_prompts: int = Field(40, ge=1, le=10000, description="Held-out prompts used.")
     dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="vLLM compute dtype. float32 keeps greedy outputs bit-comparable (lossless check)."
+        "float32", description="vLLM compute dtype. float32 keeps greedy outputs bit-comparable (lossless check). "
+        "When the data pass's engine computes in this dtype (extraction.engine_dtype), it also answers the held-out "
+        "prompts for the baseline: one engine load fewer on a cold run."
     )
     min_acceptance: float | None = Field(
         None, ge=1.0, le=17.0, description="Quality gate: the run fails (after writing its report) when the draft's "

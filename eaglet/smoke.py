@@ -5,7 +5,8 @@ whether the outputs are identical (speculative decoding must be lossless at temp
 
 The verifier alone (its greedy token ids and tokens/s: the baseline) depends only on the verifier, the prompts,
 the generation settings and the machine, never on the draft, so it is measured once and kept as an artifact
-(`measure_baseline`); a smoke-load with a new draft then starts one engine, the one with the draft.
+(`measure_baseline`, or the greedy answers of the data pass's capture engine while it is up: `write_baseline`);
+a smoke-load with a new draft then starts one engine, the one with the draft.
 """
 
 from __future__ import annotations
@@ -90,17 +91,25 @@ def measure_baseline(verifier: str, prompts: list[list[dict]], out: Path, max_to
     """The verifier alone on the prompts: greedy token ids, tokens/s, its engine's start; written to
     out/baseline.json with when and on which machine it was measured."""
     check_load_format(load_format)
-    baseline = _baseline(run_vllm_job(_job(verifier, prompts, max_tokens, max_model_len, dtype, load_format)))
+    return write_baseline(out, run_vllm_job(_job(verifier, prompts, max_tokens, max_model_len, dtype, load_format)))
+
+
+def write_baseline(out: Path, base: dict, engine: str = "offline") -> dict:
+    """out/baseline.json from a verifier-alone result: an offline engine's job (`measure_baseline`), or the
+    greedy answers of the data pass's capture engine (engine="capture": no load of its own; its tokens/s is that
+    server's batch, with the capture running)."""
+    baseline = _baseline(base, engine)
     (out / BASELINE_FILE).write_text(json.dumps(baseline))
     return baseline
 
 
-def _baseline(base: dict) -> dict:
-    """A verifier-alone vLLM job's result as a baseline: what it produced, how fast, when and where."""
+def _baseline(base: dict, engine: str = "offline") -> dict:
+    """A verifier-alone vLLM job's result as a baseline: what it produced, how fast, by which engine, when and
+    where."""
     return {"token_ids": base["token_ids"], "tokens_per_s": base["tokens_per_s"], "seconds": base["seconds"],
             "output_tokens": base["output_tokens"], "load_seconds": base["load_seconds"],
-            "num_prompts": len(base["token_ids"]), "host": socket.gethostname(), "machine": machine_kind(),
-            "measured_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+            "num_prompts": len(base["token_ids"]), "engine": engine, "host": socket.gethostname(),
+            "machine": machine_kind(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
 def read_baseline(baseline_dir: str | Path) -> dict:
@@ -138,7 +147,8 @@ def smoke_test(
         load_seconds_without_draft=0.0 if reused else baseline["load_seconds"],
         load_seconds_with_draft=spec["load_seconds"],
         baseline_reused=reused,
-        baseline_measured=f"{baseline['measured_at']} on {baseline['host']}",
+        baseline_measured=f"{baseline['measured_at']} on {baseline['host']}"
+        + (" by the data pass's capture engine" if baseline.get("engine") == "capture" else ""),
         drafts=drafts,
         accepted_tokens=counts["accepted"],
         mismatched_prompts=mismatched,

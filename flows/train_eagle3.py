@@ -60,6 +60,9 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
                 engine = run("load-verifier", stages.load_verifier, verifier, params)
                 held.callback(stages.stop_verifier, engine)
             states_dir = run("generate-and-capture", stages.generate_and_capture, verifier, data_dir, engine, params)
+            if stages.baseline_engine_fits(engine, params):  # the smoke test's baseline while the engine is up
+                run("baseline-from-capture-engine", stages.baseline_from_capture_engine, verifier, data_dir, engine,
+                    params)
             stages.stop_verifier(engine)
         else:
             if params.data.regenerate:

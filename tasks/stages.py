@@ -592,6 +592,36 @@ def verifier_baseline(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> 
         return str(store.publish("baseline", baseline_key(verifier, data_dir, cfg), build))
 
 
+def baseline_engine_fits(engine, cfg: RunConfig) -> bool:
+    """Whether the data pass's engine can give the smoke test its baseline: it computes in the smoke test's dtype
+    and holds a held-out prompt with smoke.max_tokens of answer."""
+    return (engine is not None and cfg.smoke.enabled and capture_engine_dtype(cfg) == cfg.smoke.dtype
+            and engine.max_model_len >= cfg.data.max_seq_len + cfg.smoke.max_tokens)
+
+
+@task(name="baseline-from-capture-engine", persist_result=True,
+      cache_key_fn=_cache_key("baseline", lambda verifier, data_dir, engine, cfg: baseline_key(verifier, data_dir, cfg)),
+      retries=1, retry_delay_seconds=10, retry_condition_fn=_not_user_error)
+def baseline_from_capture_engine(verifier: VerifierInfo, data_dir: str, engine, cfg: RunConfig) -> str:
+    """verifier-baseline's artifact (same key) from the engine the data pass already loaded: its greedy answers to
+    the held-out prompts, so the smoke-load starts one engine, the one with the draft. verifier-baseline is then
+    `Cached`; where no data engine ran (every row known), it loads its own as before."""
+    from eaglet.capture.vllm import greedy_answers
+    from eaglet.smoke import load_prompts, write_baseline
+
+    s = cfg.smoke
+
+    def build(tmp: Path) -> None:
+        prompts = load_prompts(Path(data_dir) / "eval.jsonl", s.num_prompts)
+        answers = greedy_answers(engine, verifier.path, prompts, s.max_tokens, verifier.trust_remote_code)
+        b = write_baseline(tmp, answers, engine="capture")
+        get_run_logger().info(f"verifier alone (the capture engine, no load of its own): {len(prompts)} held-out "
+                              f"prompts, {b['output_tokens']} tokens at {b['tokens_per_s']:.0f} tokens/s")
+
+    with store.in_use(data_dir):
+        return str(store.publish("baseline", baseline_key(verifier, data_dir, cfg), build))
+
+
 def comparison_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
     """Which acceptance figures compare (eaglet.history): same verifier, held-out prompts and smoke settings."""
     from eaglet.history import comparison_key as key

@@ -19,12 +19,16 @@ def test_report_has_the_promised_fields(e2e_run, tiny_verifier):
     assert Path(r["draft_dir"]) == e2e_run["out"] / "draft"
     assert Path(r["speculators_dir"]) == e2e_run["out"] / "draft-speculators"
     assert r["verifier_loads"] == 1  # one engine generated the responses and captured their states
-    assert r["engine_loads"] == {"data": 1, "smoke": 2}  # the verifier alone (kept as the baseline), with the draft
-    assert set(r["load_seconds"]) == {"load-verifier", "verifier-baseline", "smoke-test"}
+    # The data pass's engine also answered the held-out prompts (the kept baseline): the smoke-load started one
+    # engine, the one with the draft.
+    assert r["engine_loads"] == {"data": 1, "smoke": 1}
+    assert set(r["load_seconds"]) == {"load-verifier", "smoke-test"}
+    assert r["tasks"]["baseline-from-capture-engine"]["state"] == "Completed"
+    assert r["tasks"]["verifier-baseline"]["state"] == "Cached" and r["baseline"]["engine"] == "capture"
     assert all(v > 0 for v in r["load_seconds"].values())
     assert "regenerate-responses" not in r["tasks"] and "extract-hidden-states" not in r["tasks"]
     for name in ("prepare-data", "resolve-verifier", "load-verifier", "generate-and-capture",
-                 "build-vocab", "train-draft", "export-draft", "validate-draft", "verifier-baseline", "smoke-test"):
+                 "build-vocab", "train-draft", "export-draft", "validate-draft", "smoke-test"):
         assert r["tasks"][name]["state"] == "Completed", name
         assert r["tasks"][name]["seconds"] >= 0
     s = r["smoke"]
@@ -98,7 +102,11 @@ def test_rerun_with_new_learning_rate_reuses_data_stages_and_the_baseline(e2e_ru
 
 
 def test_damaged_baseline_is_rebuilt(e2e_run, session_dir):
+    """Rebuilt by an engine of its own (no data engine runs): the verifier's greedy ids are the ones the capture
+    engine answered in the first run."""
     baseline = Path(e2e_run["report"]["artifacts"]["baseline"])
+    from_capture = json.loads((baseline / "baseline.json").read_text())
+    assert from_capture["engine"] == "capture" and len(from_capture["token_ids"]) == 16
     with open(baseline / "baseline.json", "r+b") as f:  # damaged: shorter than its manifest says
         f.truncate(100)
     out = session_dir / "run-damaged-baseline"
@@ -107,7 +115,8 @@ def test_damaged_baseline_is_rebuilt(e2e_run, session_dir):
     r = json.loads((out / "report.json").read_text())
     assert r["tasks"]["verifier-baseline"]["state"] == "Completed" and r["engine_loads"]["smoke"] == 1
     assert r["artifacts"]["baseline"] == str(baseline) and len(r["baseline"]["machine"]["cpu"]) > 0
-    json.loads((baseline / "baseline.json").read_text())  # whole again
+    rebuilt = json.loads((baseline / "baseline.json").read_text())  # whole again
+    assert rebuilt["engine"] == "offline" and rebuilt["token_ids"] == from_capture["token_ids"]
 
 
 def test_smoke_command_alone(e2e_run, tiny_verifier, tmp_path):

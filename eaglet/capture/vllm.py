@@ -250,3 +250,39 @@ def generate_and_capture(engine: Engine | None, tokenizer_path: str, conversatio
         "file_sha256": digests,
         "rows_linked": keys,
     }
+
+
+def greedy_answers(engine: Engine, tokenizer_path: str, prompts: list[list[dict]], max_tokens: int,
+                   trust_remote_code: bool = False) -> dict:
+    """The verifier's greedy answers to `prompts` from the capture engine while it is up: the token ids and the
+    batch's speed, in the form of an offline vLLM job's result (eaglet.smoke's baseline). The engine captures
+    these prompts' states too (its method cannot be turned off per request); they are read and dropped.
+    Greedy ids are the verifier's whichever engine computes them (tests/test_capture_vllm.py: the same ids as an
+    offline engine's), so the smoke test's baseline needs no engine of its own when the data pass had one."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
+    requests = [chat_prompt_ids(tok, conv) for conv in prompts]
+
+    def answer(client, ids: list[int]) -> list[int]:
+        body = {"model": engine.served_name, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
+                "return_token_ids": True, "kv_transfer_params": {}}
+        r = _post(client, f"{engine.endpoint}/v1/completions", body)
+        if r.status_code != 200:
+            raise EngineError(f"the verifier engine answered {r.status_code}: {r.text[:500]}")
+        out = r.json()
+        path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if path:
+            _load(path)  # waits for the connector's write, then deletes the file
+        return list(out["choices"][0]["token_ids"])
+
+    t0 = time.perf_counter()
+    with httpx.Client(timeout=httpx.Timeout(REQUEST_TIMEOUT, connect=60),
+                      limits=httpx.Limits(max_connections=IN_FLIGHT)) as client, \
+            ThreadPoolExecutor(min(IN_FLIGHT, len(requests))) as pool:
+        token_ids = [[ids] for ids in pool.map(lambda ids: answer(client, ids), requests)]
+    seconds = time.perf_counter() - t0
+    n_tokens = sum(len(ids[0]) for ids in token_ids)
+    return {"token_ids": token_ids, "seconds": seconds, "output_tokens": n_tokens,
+            "tokens_per_s": n_tokens / seconds if seconds else 0.0, "load_seconds": 0.0}
