@@ -257,7 +257,7 @@ def greedy_answers(engine: Engine, tokenizer_path: str, prompts: list[list[dict]
     """The verifier's greedy answers to `prompts` from the capture engine while it is up: the token ids and the
     batch's speed, in the form of an offline vLLM job's result (eaglet.smoke's baseline). The engine captures
     these prompts' states too (its method cannot be turned off per request); they are read and dropped.
-    Greedy ids are the verifier's whichever engine computes them (tests/test_capture_vllm.py: the same ids as an
+    Greedy ids are the verifier's whichever engine computes them (tests/test_flow_e2e.py: the same ids as an
     offline engine's), so the smoke test's baseline needs no engine of its own when the data pass had one."""
     import httpx
     from transformers import AutoTokenizer
