@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from deployments.stack import prefect_defaults
 from tests.tiny_verifier import make_tiny_verifier
 
 # Prefect's temporary API server logs "Stopping ..." at interpreter exit, after pytest closed its streams.
@@ -21,6 +22,12 @@ logging.raiseExceptions = False
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "data" / "prompts.jsonl"
+
+# Flows also run in this process (test_bad_input), starting Prefect's temporary server here: give it the time
+# `eaglet run` gives it (CI 2026-12-02 timed out at Prefect's own 20 s on the busy 2 cores). Set before any test
+# module imports prefect, which reads its settings once, at import.
+STARTUP_TIMEOUT = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+os.environ.setdefault(STARTUP_TIMEOUT, prefect_defaults()[STARTUP_TIMEOUT])
 
 # Small but real: the whole flow, speculators training and two vLLM loads, in a few minutes on 2 cores.
 TINY_RUN = [

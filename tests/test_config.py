@@ -70,3 +70,10 @@ def test_eaglet_processes_give_the_temporary_server_time_to_start():
             "print(s().server.ephemeral.startup_timeout_seconds)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     assert int(out.stdout.split()[-1]) >= 120
+
+
+def test_flows_run_in_the_test_process_give_the_temporary_server_time_to_start():
+    """test_bad_input runs the flow in pytest's own process: its temporary server needs the same 120 s."""
+    from prefect.settings import get_current_settings
+
+    assert get_current_settings().server.ephemeral.startup_timeout_seconds >= 120
