@@ -212,7 +212,7 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     from eaglet.capture.engine import capture_layers, engine_dtype, start_engine, stop_engine
     from eaglet.config import load_config
     from eaglet.verifier import resolve_verifier
-    from tasks.stages import embedded_key, engine_max_model_len
+    from tasks.stages import embedded_key, started_engine_max_model_len
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_config(args.config, args.set)
@@ -227,7 +227,7 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     info = resolve_verifier(path, params.verifier.aux_layer_ids, params.verifier.trust_remote_code)
     storage = Path(args.storage or store.store_root() / ".engines" / f"serve-{args.port}").resolve()
     engine = start_engine(info.path, info.fingerprint, capture_layers(info.aux_layer_ids, info.num_layers), storage,
-                          args.max_model_len or engine_max_model_len(params), e.tensor_parallel_size, e.device,
+                          args.max_model_len or started_engine_max_model_len(params), e.tensor_parallel_size, e.device,
                           info.trust_remote_code, host=args.host, port=args.port,
                           dtype=engine_dtype(e.engine_dtype, e.device))
     print(f"verifier engine ready at {engine.endpoint} ({engine.served_name}; captures in {storage})", flush=True)
@@ -301,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--storage", help="directory the captured states go through; runs on other hosts must see "
                                          "it at the same path (default: $EAGLET_HOME/.engines/serve-PORT)")
     serve.add_argument("--max-model-len", type=int, help="longest sequence served (default: the config's "
-                                                         "data.max_seq_len + data.max_new_tokens)")
+                                                         "data.max_seq_len + the longer of data.max_new_tokens "
+                                                         "and smoke.max_tokens)")
     serve.set_defaults(fn=cmd_verifier)
 
     cache = sub.add_parser("cache", help="list or garbage-collect the artifact store ($EAGLET_HOME)")

@@ -236,7 +236,16 @@ def rows_to_compute(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> in
 
 
 def engine_max_model_len(cfg: RunConfig) -> int:
+    """The longest sequence the data pass needs (what a served engine is checked against)."""
     return cfg.data.max_seq_len + (cfg.data.max_new_tokens if cfg.data.regenerate else 1)
+
+
+def started_engine_max_model_len(cfg: RunConfig) -> int:
+    """What an engine eaglet starts holds: the data pass's sequences, and a held-out prompt with smoke.max_tokens
+    of answer, so the same engine can answer for the smoke baseline (baseline_engine_fits) even where the
+    training answers are shorter than the smoke test's (data.max_new_tokens < smoke.max_tokens)."""
+    smoke = cfg.data.max_seq_len + cfg.smoke.max_tokens if cfg.smoke.enabled else 0
+    return max(engine_max_model_len(cfg), smoke)
 
 
 def attach_engine(verifier: VerifierInfo, cfg: RunConfig):
@@ -261,8 +270,8 @@ def load_verifier(verifier: VerifierInfo, cfg: RunConfig):
     storage = store.store_root() / ".engines" / f"{verifier.fingerprint}-{os.getpid()}"
     log.info(f"loading the verifier into a vLLM capture engine (tensor parallel {e.tensor_parallel_size})")
     engine = start_engine(verifier.path, verifier.fingerprint, capture_layers(verifier.aux_layer_ids,
-                          verifier.num_layers), storage, engine_max_model_len(cfg), e.tensor_parallel_size, e.device,
-                          verifier.trust_remote_code, dtype=capture_engine_dtype(cfg))
+                          verifier.num_layers), storage, started_engine_max_model_len(cfg), e.tensor_parallel_size,
+                          e.device, verifier.trust_remote_code, dtype=capture_engine_dtype(cfg))
     log.info(f"verifier loaded in {engine.load_seconds:.1f} s")
     return engine
 

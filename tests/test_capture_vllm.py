@@ -301,7 +301,7 @@ def test_a_run_against_a_served_verifier_loads_nothing(tiny_verifier, session_di
         assert wrong.returncode == 2 and "captures other layers" in wrong.stderr, wrong.stderr[-2000:]
         assert "load-verifier" not in wrong.stdout + wrong.stderr
         out = session_dir / "served"
-        proc = run_cli(["run", *sets, "--set=data.max_new_tokens=40", "--set=training.epochs=1",
+        proc = run_cli(["run", *sets, "--set=data.max_new_tokens=32", "--set=training.epochs=1",
                         "--set=smoke.enabled=false", f"--set=verifier.endpoint={endpoint}", "--output-dir", str(out)],
                        env_extra=own)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -77,3 +77,21 @@ def test_flows_run_in_the_test_process_give_the_temporary_server_time_to_start()
     from prefect.settings import get_current_settings
 
     assert get_current_settings().server.ephemeral.startup_timeout_seconds >= 120
+
+
+def test_an_engine_eaglet_starts_can_answer_the_smoke_baseline_when_training_answers_are_shorter():
+    """With data.max_new_tokens below smoke.max_tokens, the capture engine used to be too short for the held-out
+    answers, and the smoke test loaded the verifier once more (a run of 2,081 prompts x 48 tokens, 2026-12-02)."""
+    from eaglet.capture.engine import Engine
+    from tasks.stages import baseline_engine_fits, engine_max_model_len, started_engine_max_model_len
+
+    sets = ["data.max_new_tokens=48", "smoke.max_tokens=128", "smoke.dtype=float32",
+            "extraction.engine_dtype=float32"]
+    cfg = load_config(None, sets)
+    started = Engine(endpoint="http://x", served_name="x", max_model_len=started_engine_max_model_len(cfg))
+    assert baseline_engine_fits(started, cfg)
+    assert engine_max_model_len(cfg) == 1024 + 48  # a served engine is still only required to fit the data
+    served = Engine(endpoint="http://x", served_name="x", max_model_len=engine_max_model_len(cfg))
+    assert not baseline_engine_fits(served, cfg)  # ... and then the smoke test answers with an engine of its own
+    long_answers = load_config(None, ["data.max_new_tokens=256"])
+    assert started_engine_max_model_len(long_answers) == 1024 + 256
