@@ -240,12 +240,16 @@ def engine_max_model_len(cfg: RunConfig) -> int:
     return cfg.data.max_seq_len + (cfg.data.max_new_tokens if cfg.data.regenerate else 1)
 
 
+def smoke_max_model_len(cfg: RunConfig) -> int:
+    """The longest sequence the smoke test needs: a held-out prompt with smoke.max_tokens of answer."""
+    return cfg.data.max_seq_len + cfg.smoke.max_tokens
+
+
 def started_engine_max_model_len(cfg: RunConfig) -> int:
-    """What an engine eaglet starts holds: the data pass's sequences, and a held-out prompt with smoke.max_tokens
-    of answer, so the same engine can answer for the smoke baseline (baseline_engine_fits) even where the
-    training answers are shorter than the smoke test's (data.max_new_tokens < smoke.max_tokens)."""
-    smoke = cfg.data.max_seq_len + cfg.smoke.max_tokens if cfg.smoke.enabled else 0
-    return max(engine_max_model_len(cfg), smoke)
+    """What an engine eaglet starts holds: the data pass's sequences and the smoke test's, so the same engine can
+    answer for the smoke baseline (baseline_engine_fits) even where the training answers are shorter than the
+    smoke test's (data.max_new_tokens < smoke.max_tokens)."""
+    return max(engine_max_model_len(cfg), smoke_max_model_len(cfg) if cfg.smoke.enabled else 0)
 
 
 def attach_engine(verifier: VerifierInfo, cfg: RunConfig):
@@ -576,7 +580,7 @@ def baseline_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
 
     s = cfg.smoke
     return _key("baseline", verifier=verifier.fingerprint, prompts=held_out_prompts(data_dir, cfg),
-                max_tokens=s.max_tokens, dtype=s.dtype, max_model_len=cfg.data.max_seq_len + s.max_tokens,
+                max_tokens=s.max_tokens, dtype=s.dtype, max_model_len=smoke_max_model_len(cfg),
                 machine=machine_kind())
 
 
@@ -592,7 +596,7 @@ def verifier_baseline(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> 
     def build(tmp: Path) -> None:
         prompts = load_prompts(Path(data_dir) / "eval.jsonl", s.num_prompts)
         b = measure_baseline(verifier.path, prompts, tmp, max_tokens=s.max_tokens,
-                             max_model_len=cfg.data.max_seq_len + s.max_tokens, dtype=s.dtype,
+                             max_model_len=smoke_max_model_len(cfg), dtype=s.dtype,
                              load_format=s.load_format)
         get_run_logger().info(f"verifier alone: {b['tokens_per_s']:.0f} tokens/s on {b['machine']['cpu']} "
                               f"{b['machine']['gpus']}".rstrip())
@@ -605,7 +609,7 @@ def baseline_engine_fits(engine, cfg: RunConfig) -> bool:
     """Whether the data pass's engine can give the smoke test its baseline: it computes in the smoke test's dtype
     and holds a held-out prompt with smoke.max_tokens of answer."""
     return (engine is not None and cfg.smoke.enabled and capture_engine_dtype(cfg) == cfg.smoke.dtype
-            and engine.max_model_len >= cfg.data.max_seq_len + cfg.smoke.max_tokens)
+            and engine.max_model_len >= smoke_max_model_len(cfg))
 
 
 @task(name="baseline-from-capture-engine", persist_result=True,
@@ -657,7 +661,7 @@ def smoke_test(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseline_d
     prompts = load_prompts(Path(data_dir) / "eval.jsonl", s.num_prompts)
     with store.in_use(baseline_dir):
         result = smoke(verifier.path, draft_dir, prompts, k=s.num_speculative_tokens, max_tokens=s.max_tokens,
-                       max_model_len=cfg.data.max_seq_len + s.max_tokens, dtype=s.dtype, load_format=s.load_format,
+                       max_model_len=smoke_max_model_len(cfg), dtype=s.dtype, load_format=s.load_format,
                        baseline=read_baseline(baseline_dir))
     get_run_logger().info(
         f"mean acceptance length {result.mean_acceptance_length:.3f} at k={s.num_speculative_tokens}, "
