@@ -121,7 +121,8 @@ def main() -> int:
     def capture(name: str, conversations: Path, regenerate: bool) -> dict:
         work = out / name
         work.mkdir(exist_ok=True)
-        stats = generate_and_capture(engine, str(verifier), conversations, work, len(info.aux_layer_ids) + 1, 512,
+        stats = generate_and_capture(engine, str(verifier), conversations, work,
+                                     capture_layers(info.aux_layer_ids, info.num_layers), 512,
                                      regenerate=regenerate, max_new_tokens=64, fingerprint=info.fingerprint)
         stats.pop("file_sha256"), stats.pop("rows_linked")  # one digest per file: not a figure for the summary
         return stats

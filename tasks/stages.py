@@ -203,11 +203,13 @@ def extraction_key(verifier: VerifierInfo, conversations_dir: str, cfg: RunConfi
 # --- the one data pass (backend vllm): one engine generates and captures -------------------------------------
 
 def capture_settings(verifier: VerifierInfo, cfg: RunConfig) -> dict:
+    from eaglet.capture.engine import capture_layers
     from eaglet.capture.vllm import capture_settings as settings
 
     d = cfg.data
-    return settings(len(verifier.aux_layer_ids) + 1, d.max_seq_len, cfg.extraction.dtype, d.regenerate,
-                    d.max_new_tokens, d.temperature, d.responses_per_prompt, d.seed, capture_engine_dtype(cfg))
+    return settings(capture_layers(verifier.aux_layer_ids, verifier.num_layers), d.max_seq_len, cfg.extraction.dtype,
+                    d.regenerate, d.max_new_tokens, d.temperature, d.responses_per_prompt, d.seed,
+                    capture_engine_dtype(cfg))
 
 
 def capture_engine_dtype(cfg: RunConfig) -> str:
@@ -295,6 +297,7 @@ def generate_and_capture(verifier: VerifierInfo, data_dir: str, engine, cfg: Run
     """One pass through the engine over the rows the store does not hold yet: the verifier answers each training
     prompt and its hidden states over prompt + answer are saved in the same requests (data.regenerate=false: the
     given conversations, prefill-only); then the run's dataset is assembled from all its rows."""
+    from eaglet.capture.engine import capture_layers
     from eaglet.capture.vllm import generate_and_capture as one_pass
 
     log = get_run_logger()
@@ -303,10 +306,11 @@ def generate_and_capture(verifier: VerifierInfo, data_dir: str, engine, cfg: Run
 
     def build(work: Path) -> dict[str, str]:  # runs only if the view is not already published
         progress = Progress("capture", "generating and capturing" if d.regenerate else "capturing", "rows")
-        stats = one_pass(engine, verifier.path, Path(data_dir) / "train.jsonl", work, len(verifier.aux_layer_ids) + 1,
-                         d.max_seq_len, e.dtype, d.regenerate, d.max_new_tokens, d.temperature,
-                         d.responses_per_prompt, d.seed, verifier.trust_remote_code, progress,
-                         fingerprint=verifier.fingerprint, engine_dtype=capture_engine_dtype(cfg))
+        stats = one_pass(engine, verifier.path, Path(data_dir) / "train.jsonl", work,
+                         capture_layers(verifier.aux_layer_ids, verifier.num_layers), d.max_seq_len, e.dtype,
+                         d.regenerate, d.max_new_tokens, d.temperature, d.responses_per_prompt, d.seed,
+                         verifier.trust_remote_code, progress, fingerprint=verifier.fingerprint,
+                         engine_dtype=capture_engine_dtype(cfg))
         progress.close()
         file_digests = stats.pop("file_sha256")
         inputs["links"] = {"rows": stats.pop("rows_linked")}

@@ -29,6 +29,7 @@ from eaglet.verifier import resolve_verifier
 from tests.conftest import ROOT, TINY_RUN, run_cli, write_echo_conversations
 
 AUX = [2, 4, 5]
+LAYERS = capture_layers(AUX, 8)  # the tiny verifier's 8 layers: vLLM ids [2, 4, 5, 8]
 MAX_SEQ, NEW = 128, 32
 
 
@@ -48,7 +49,7 @@ def engine(tiny_verifier, tmp_path_factory):
 
 def _pass(engine, verifier, conversations, out: Path, **kw) -> dict:
     out.mkdir(exist_ok=True)
-    return generate_and_capture(engine, str(verifier), conversations, out, len(AUX) + 1, MAX_SEQ,
+    return generate_and_capture(engine, str(verifier), conversations, out, LAYERS, MAX_SEQ,
                                 max_new_tokens=NEW, **kw)
 
 
@@ -190,7 +191,8 @@ from pathlib import Path
 from eaglet.capture.engine import Engine
 from eaglet.capture.vllm import generate_and_capture
 engine = Engine.model_validate_json(sys.argv[1])
-generate_and_capture(engine, sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]), 4, 128, max_new_tokens=32)
+generate_and_capture(engine, sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]), [2, 4, 5, 8], 128,
+                     max_new_tokens=32)
 """
 
 
@@ -216,8 +218,8 @@ def test_kill_9_mid_pass_then_resume_computes_no_row_twice(engine, tiny_verifier
         proc.wait()
     done = _published_rows(home)
     assert 6 <= len(done) < 24
-    stats = generate_and_capture(engine, str(tiny_verifier), conversations, _mk(tmp_path / "resumed"), 4, MAX_SEQ,
-                                 max_new_tokens=NEW)
+    stats = generate_and_capture(engine, str(tiny_verifier), conversations, _mk(tmp_path / "resumed"), LAYERS,
+                                 MAX_SEQ, max_new_tokens=NEW)
     assert stats["rows_reused"] == len(done) and stats["rows_computed"] == 24 - len(done) and stats["samples"] == 24
     after = _published_rows(home)
     assert len(after) == 24 and all(after[k] == t for k, t in done.items())  # kept as they were: computed once
@@ -230,8 +232,8 @@ def test_kill_9_mid_pass_then_resume_computes_no_row_twice(engine, tiny_verifier
 
 def test_only_new_or_edited_rows_reach_the_verifier(engine, tiny_verifier, tmp_path, monkeypatch):
     """Row-level reuse: append -> only the new rows are computed; edit one row -> that row; reorder or delete rows
-    -> nothing computed (no engine at all); a deleted row is not in the dataset; gc keeps the rows a kept dataset
-    links and deletes the others."""
+    -> nothing computed (no engine at all); other aux layers -> every row again; a deleted row is not in the
+    dataset; gc keeps the rows a kept dataset links and deletes the others."""
     from datasets import load_from_disk
 
     from eaglet import store
@@ -257,6 +259,9 @@ def test_only_new_or_edited_rows_reach_the_verifier(engine, tiny_verifier, tmp_p
         set(view_rows(tmp_path / "grown")["rows"])
     shuffled = pass_over("shuffled", list(reversed(edited + rows[16:])), eng=None)  # no engine: nothing to compute
     assert (shuffled["rows_computed"], shuffled["samples"]) == (0, 22)
+    with pytest.raises(RuntimeError, match="^22 rows need the verifier"):  # states of other layers: none reused
+        generate_and_capture(None, str(tiny_verifier), files["shuffled"], _mk(tmp_path / "aux"),
+                             capture_layers([1, 4, 5], 8), MAX_SEQ, max_new_tokens=NEW)
     kept = edited[:5] + edited[7:] + rows[16:]  # rows 5 and 6 deleted
     fewer = pass_over("fewer", kept, eng=None)
     assert (fewer["rows_computed"], fewer["samples"]) == (0, 20)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from eaglet.capture.rows import row_key
 from eaglet.config import RunConfig
 from eaglet.data import write_conversations
 from eaglet.train import cpu_dtype
@@ -50,6 +51,8 @@ def _chain(cfg: RunConfig, verifier: VerifierInfo, data_file: str, init: str | N
     keys["data"] = str(data_dir)
     if stages.extraction_backend(cfg) == "vllm":  # one pass: responses and states in one artifact
         keys["hidden_states"] = stages.capture_key(verifier, keys["data"], cfg)
+        # ... assembled from row artifacts, each keyed on its own: the key one request's row would have
+        keys["row"] = row_key(verifier.fingerprint, stages.capture_settings(verifier, cfg), {"prompt_ids": [1, 2]})
     else:
         conversations = keys["data"]
         if cfg.data.regenerate:
@@ -139,12 +142,16 @@ def test_auto_dtypes_enter_resolved(where, verifier, data_file):
     assert _chain(base, verifier, data_file) == _chain(explicit, verifier, data_file)
 
 
-def test_verifier_identity_is_in_every_key(verifier, data_file):
-    cfg = RunConfig()
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_verifier_identity_is_in_every_key(backend, verifier, data_file):
+    """Rows too: through 2026-12-02 a row's key had the count of its layers, not which, and a run with aux
+    [8, 15, 27] trained on the rows an earlier run captured for [2, 15, 29] (and measured 1.544 instead of 1.6)."""
+    cfg = RunConfig.model_validate({"extraction": {"backend": backend}})
     base = _chain(cfg, verifier, data_file)
+    assert ("row" in base) == (backend == "vllm")
     for update in ({"fingerprint": "0" * 16}, {"aux_layer_ids": [1, 4, 6]}):
         other = _chain(cfg, verifier.model_copy(update=update), data_file)
-        for kind in ("hidden_states", "vocab", "draft_ckpt", "draft_flat", "smoke"):
+        for kind in ("hidden_states", "vocab", "draft_ckpt", "draft_flat", "smoke") + ("row",) * ("row" in base):
             assert other[kind] != base[kind], (update, kind)
         # the verifier alone does not depend on which layers the draft reads
         assert (other["baseline"] != base["baseline"]) == ("fingerprint" in update), update

@@ -132,14 +132,16 @@ def _sample(req: dict, saved: dict, max_seq_len: int, regenerate: bool) -> tuple
     return ids, mask, states
 
 
-def capture_settings(num_layers: int, max_seq_len: int, dtype: str, regenerate: bool, max_new_tokens: int,
+def capture_settings(layers: list[int], max_seq_len: int, dtype: str, regenerate: bool, max_new_tokens: int,
                      temperature: float, responses_per_prompt: int, seed: int, engine_dtype: str = "bfloat16") -> dict:
-    """Everything besides the verifier and the request that decides a row's bytes (part of its key)."""
+    """Everything besides the verifier and the request that decides a row's bytes (part of its key). layers: the
+    captured vLLM layer ids (eaglet.capture.engine.capture_layers), not their count: rows of aux [2, 15, 27] are
+    not the states of aux [8, 15, 27]."""
     gen = {"max_new_tokens": max_new_tokens, "temperature": temperature, "n": responses_per_prompt, "seed": seed}
     from eaglet.capture import CAPTURE_VERSIONS
 
-    return {"layers": num_layers, "max_seq_len": max_seq_len, "dtype": dtype, "generation": gen if regenerate else None,
-            "engine_dtype": engine_dtype,
+    return {"layers": list(layers), "max_seq_len": max_seq_len, "dtype": dtype,
+            "generation": gen if regenerate else None, "engine_dtype": engine_dtype,
             "version": CAPTURE_VERSIONS["vllm-sampled" if regenerate and temperature > 0 else "vllm"]}
 
 
@@ -166,14 +168,15 @@ def rows_to_compute(planned: dict[str, list[dict]]) -> list[str]:
 
 
 def generate_and_capture(engine: Engine | None, tokenizer_path: str, conversations_file: Path, out: Path,
-                         num_layers: int, max_seq_len: int, dtype: str = "bfloat16", regenerate: bool = True,
+                         layers: list[int], max_seq_len: int, dtype: str = "bfloat16", regenerate: bool = True,
                          max_new_tokens: int = 128, temperature: float = 0.0, responses_per_prompt: int = 1,
                          seed: int = 0, trust_remote_code: bool = False, progress=None,
                          fingerprint: str | None = None, engine_dtype: str = "bfloat16") -> dict:
     """Fill `out` with the dataset view of every row of `conversations_file` (eaglet.capture.rows), sending to
     `engine` only the rows the store does not hold yet; each is published as its requests finish, so a killed
-    pass loses only the rows in flight. `engine` may be None when every row is known. responses.jsonl keeps
-    the verifier's answers. progress(rows done, rows to compute, tokens/s)."""
+    pass loses only the rows in flight. `engine` may be None when every row is known; else it captures `layers`
+    (vLLM ids, eaglet.capture.engine.capture_layers). responses.jsonl keeps the verifier's answers.
+    progress(rows done, rows to compute, tokens/s)."""
     import httpx
     from transformers import AutoTokenizer
 
@@ -181,7 +184,8 @@ def generate_and_capture(engine: Engine | None, tokenizer_path: str, conversatio
         from eaglet.verifier import resolve_verifier
 
         fingerprint = resolve_verifier(tokenizer_path, trust_remote_code=trust_remote_code).fingerprint
-    settings = capture_settings(num_layers, max_seq_len, dtype, regenerate, max_new_tokens, temperature,
+    num_layers = len(layers)
+    settings = capture_settings(layers, max_seq_len, dtype, regenerate, max_new_tokens, temperature,
                                 responses_per_prompt, seed, engine_dtype)  # engine_dtype: the engine's --dtype
     planned, skipped = plan_rows(tokenizer_path, conversations_file, fingerprint, settings, trust_remote_code)
     todo = rows_to_compute(planned)
