@@ -12,6 +12,7 @@ time the first N conversations one at a time).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -47,17 +48,28 @@ def _engine(job: dict):
     return LLM(**kwargs)
 
 
-def request_seed(job: dict) -> int | None:
-    """The per-request sampling seed, or None on vLLM's CPU backend when sampling: vLLM 0.32's model runner
+def request_seeds(job: dict) -> list[int | None]:
+    """The sampling seed of each conversation (vLLM gives its n answers seed, seed + 1, ...). Sampled answers get
+    a seed of their own per conversation, from the job's seed and the conversation: vLLM seeds each request's
+    generator with its seed, so one seed for every request would give every prompt the same noise at each step
+    (eaglet.capture.vllm.sample_seed). None on vLLM's CPU backend when sampling: vLLM 0.32's model runner
     rewinds a seeded request's generator (`set_offset`, gpu_model_runner) after every partial prefill, and torch's
     CPU generator has no offset ("CPU Generator does not use offset"), so the first seeded request prefilled in
     chunks kills a CPU engine (a batch of 1,840 sampled answers died within a minute). Unseeded requests draw from
-    the engine's generator, seeded by LLM(seed=...)."""
+    the engine's generator, seeded by LLM(seed=...), each its own noise. Greedy answers draw nothing."""
     from vllm.platforms import current_platform
 
-    if job.get("temperature", 0.0) > 0 and current_platform.is_cpu():
-        return None
-    return job.get("seed", 0)
+    convs, seed = job["conversations"], job.get("seed", 0)
+    if job.get("temperature", 0.0) <= 0:
+        return [seed] * len(convs)
+    if current_platform.is_cpu():
+        return [None] * len(convs)
+    return [conversation_seed(seed, conv) for conv in convs]
+
+
+def conversation_seed(seed: int, conversation: list[dict]) -> int:
+    text = json.dumps([seed, conversation], sort_keys=True, ensure_ascii=False)
+    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) & 0x3FFFFFFF  # room for seed + i below 2**31
 
 
 def _counters(llm) -> dict:
@@ -82,12 +94,8 @@ def run(job: dict) -> dict:
     llm = _engine(job)
     load_seconds = time.perf_counter() - t_load  # the engine's start: weights, KV cache, warm-up of the runner
     convs = job["conversations"]
-    params = SamplingParams(
-        n=job.get("n", 1),
-        temperature=job.get("temperature", 0.0),
-        max_tokens=job["max_tokens"],
-        seed=request_seed(job),
-    )
+    params = [SamplingParams(n=job.get("n", 1), temperature=job.get("temperature", 0.0), max_tokens=job["max_tokens"],
+                             seed=seed) for seed in request_seeds(job)]
     if job.get("warmup"):  # the first generation pays one-off costs that are not decoding speed
         llm.chat(convs[:1], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     before = _counters(llm)
@@ -96,7 +104,7 @@ def run(job: dict) -> dict:
     chunk = max(1, job.get("chunk") or len(convs))
     outputs, done = [], 0
     for start in range(0, len(convs), chunk):
-        new = llm.chat(convs[start : start + chunk], params, use_tqdm=False)
+        new = llm.chat(convs[start : start + chunk], params[start : start + chunk], use_tqdm=False)
         outputs += new
         done += sum(len(c.token_ids) for o in new for c in o.outputs)
         report(len(outputs), len(convs), done, done / (time.perf_counter() - t0))
@@ -123,8 +131,8 @@ def run(job: dict) -> dict:
         }
     if job.get("batch1"):  # then the first N conversations one at a time: batch-1 latency-bound decoding
         t1, n1 = time.perf_counter(), 0
-        for conv in convs[: job["batch1"]]:
-            n1 += sum(len(c.token_ids) for o in llm.chat([conv], params, use_tqdm=False) for c in o.outputs)
+        for conv, p in zip(convs[: job["batch1"]], params):
+            n1 += sum(len(c.token_ids) for o in llm.chat([conv], p, use_tqdm=False) for c in o.outputs)
         s1 = time.perf_counter() - t1
         result["batch1"] = {"seconds": s1, "output_tokens": n1, "tokens_per_s": n1 / s1 if s1 else 0.0}
     return result

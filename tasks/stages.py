@@ -155,9 +155,11 @@ def prepare_data(data_file: str, cfg: RunConfig) -> str:
 
 def regen_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
     d = cfg.data
+    # sampled answers: one seed per conversation (eaglet.vllm_worker.request_seeds), not one seed for all of them
+    seeding = {"seeding": "per-conversation"} if d.temperature > 0 else {}
     return _key("responses", verifier=verifier.fingerprint, data=Path(data_dir).name, max_new_tokens=d.max_new_tokens,
                 temperature=d.temperature, n=d.responses_per_prompt, seed=d.seed, max_seq_len=d.max_seq_len,
-                engine_dtype=capture_engine_dtype(cfg))
+                engine_dtype=capture_engine_dtype(cfg), **seeding)
 
 
 @task(name="regenerate-responses", cache_key_fn=_cache_key("responses", regen_key), persist_result=True,

@@ -160,6 +160,29 @@ def test_capture_engine_samples_as_a_plain_engine(engine, tiny_verifier, convers
                 os.killpg(plain.pid, signal.SIGKILL)
 
 
+def test_every_sampled_answer_has_a_seed_of_its_own(tiny_verifier, conversations, tmp_path):
+    """vLLM seeds each request's generator with the request's seed, so requests with one seed draw the same noise
+    at every step; answer j of every prompt once had seed + j (eaglet.capture.vllm.sample_seed). Seeds are distinct
+    over rows and answers, the same for a row wherever it sits in the file, and change with data.seed."""
+    from eaglet.capture.vllm import capture_settings, plan_rows
+    from eaglet.data import read_conversations, write_conversations
+
+    fingerprint = resolve_verifier(tiny_verifier, AUX).fingerprint
+
+    def seeds(path, seed):
+        settings = capture_settings(LAYERS, MAX_SEQ, "bfloat16", True, NEW, 0.7, 2, seed)
+        planned, _ = plan_rows(str(tiny_verifier), path, fingerprint, settings)
+        return {key: [req["seed"] for req in reqs] for key, reqs in planned.items()}
+
+    first = seeds(conversations, 0)
+    flat = [s for per in first.values() for s in per]
+    assert len(first) == 24 and len(flat) == 48 == len(set(flat))
+    assert all(0 <= s < 2**31 for s in flat)
+    write_conversations(tmp_path / "reversed.jsonl", read_conversations(conversations)[::-1])
+    assert seeds(tmp_path / "reversed.jsonl", 0) == first
+    assert not set(flat) & {s for per in seeds(conversations, 1).values() for s in per}
+
+
 def test_prefill_pass_matches_the_hf_backend(engine, tiny_verifier, conversations, tmp_path):
     """data.regenerate=false: the same engine, prefill-only, over the given conversations = the hf backend's
     artifact: same dataset bytes, token counts and file set; states equal to bf16 rounding."""

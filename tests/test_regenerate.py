@@ -6,7 +6,7 @@ from eaglet.vllm_run import run_vllm_job
 def test_sampled_answers_survive_a_chunked_prefill(tiny_verifier):
     """A prompt longer than the engine's token budget per step is prefilled in chunks; vLLM then rewinds a seeded
     request's generator, which torch's CPU generator cannot do, and the CPU engine died on the first such request
-    (eaglet.vllm_worker.request_seed). Two sampled answers per prompt must come back for every prompt."""
+    (eaglet.vllm_worker.request_seeds). Two sampled answers per prompt must come back for every prompt."""
     long = " ".join(["how do bees find the flowers in a garden"] * 30)
     convs = [[{"role": "user", "content": long}], [{"role": "user", "content": "hello"}]]
     result = run_vllm_job({"verifier": str(tiny_verifier), "conversations": convs, "max_tokens": 8,
@@ -14,6 +14,26 @@ def test_sampled_answers_survive_a_chunked_prefill(tiny_verifier):
                            "max_num_batched_tokens": 32, "max_num_seqs": 4})
     assert [len(per) for per in result["token_ids"]] == [2, 2]
     assert all(ids for per in result["token_ids"] for ids in per)
+
+
+def test_sampled_conversations_get_seeds_of_their_own(monkeypatch):
+    """One seed for every request would give every prompt the same sampling noise at each step (vLLM seeds a
+    request's generator with it). Sampled conversations get their own seed from the job's seed and the
+    conversation; on vLLM's CPU backend none (its engine generator then draws for each); greedy ones the job's."""
+    from vllm.platforms import current_platform
+
+    from eaglet.vllm_worker import request_seeds
+
+    convs = [[{"role": "user", "content": f"question {i}"}] for i in range(64)]
+    job = {"conversations": convs, "temperature": 0.7, "n": 2, "seed": 0}
+    assert request_seeds(dict(job, temperature=0.0)) == [0] * 64
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: True)
+    assert request_seeds(job) == [None] * 64
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    seeds = request_seeds(job)
+    assert len(set(seeds)) == 64 and all(0 <= s and s + 2 < 2**31 for s in seeds)
+    assert request_seeds(dict(job, conversations=convs[::-1])) == seeds[::-1]  # a conversation's, not its place's
+    assert not set(seeds) & set(request_seeds(dict(job, seed=1)))
 
 
 def test_small_hosts_run_vllm_on_every_core(monkeypatch):

@@ -21,8 +21,9 @@ from eaglet.errors import EagletError
 # Part of the capture cache key: the backends agree to bf16 rounding, not bit for bit. Sampled vllm rows have a
 # version of their own: before eaglet.capture.scheduler, vLLM's capture engine on CPU sampled unrelated tokens
 # ("AHy meditate hal PERossible serum ..."; a draft trained on them reached 1.17), so no such row is reused.
-# Greedy rows are bit-identical with and without that scheduler (measured) and keep theirs.
-CAPTURE_VERSIONS = {"hf": "hf-1", "vllm": "vllm-row-1", "vllm-sampled": "vllm-row-2"}
+# Greedy rows are bit-identical with and without that scheduler (measured) and keep theirs. vllm-row-3: each
+# sampled answer has a seed of its own (eaglet.capture.vllm.sample_seed); row-2's answer j of every prompt shared one.
+CAPTURE_VERSIONS = {"hf": "hf-1", "vllm": "vllm-row-1", "vllm-sampled": "vllm-row-3"}
 
 
 def vllm_installed() -> bool:
