@@ -162,7 +162,7 @@ def plan_rows(tokenizer_path: str, conversations_file: Path, fingerprint: str, s
     for reqs in by_row.values():  # the responses of a row share its request, hence its key
         key = row_key(fingerprint, settings, reqs[0])
         if key not in planned:
-            planned[key] = [dict(req, seed=sample_seed(key, req["response"])) for req in reqs]
+            planned[key] = [dict(req, seed=sample_seed(key, req.get("response", 0))) for req in reqs]
     return planned, skipped
 
 
