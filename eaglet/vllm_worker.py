@@ -68,7 +68,9 @@ def request_seeds(job: dict) -> list[int | None]:
 
 
 def conversation_seed(seed: int, conversation: list[dict]) -> int:
-    text = json.dumps([seed, conversation], sort_keys=True, ensure_ascii=False)
+    from eaglet.data import row_digest  # the conversation's identity, as the data stage keys it
+
+    text = f"{seed}/{row_digest(conversation)}"
     return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) & 0x3FFFFFFF  # room for seed + i below 2**31
 
 

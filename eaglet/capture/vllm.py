@@ -161,8 +161,8 @@ def plan_rows(tokenizer_path: str, conversations_file: Path, fingerprint: str, s
     planned: dict[str, list[dict]] = {}
     for reqs in by_row.values():  # the responses of a row share its request, hence its key
         key = row_key(fingerprint, settings, reqs[0])
-        if key not in planned:
-            planned[key] = [dict(req, seed=sample_seed(key, req.get("response", 0))) for req in reqs]
+        if key not in planned:  # a sampled answer's seed; prefill requests sample nothing
+            planned[key] = [dict(req, seed=sample_seed(key, req["response"])) for req in reqs] if gen else reqs
     return planned, skipped
 
 
@@ -202,7 +202,7 @@ def generate_and_capture(engine: Engine | None, tokenizer_path: str, conversatio
                                 responses_per_prompt, seed, engine_dtype)  # engine_dtype: the engine's --dtype
     planned, skipped = plan_rows(tokenizer_path, conversations_file, fingerprint, settings, trust_remote_code)
     todo = rows_to_compute(planned)
-    gen = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed} if regenerate else None
+    gen = {"max_new_tokens": max_new_tokens, "temperature": temperature} if regenerate else None  # seeds: plan_rows
 
     t0, tokens, generated = time.perf_counter(), 0, 0
     if todo:
