@@ -492,7 +492,8 @@ def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_di
     """Train with speculators (from scratch or from init_dir); the artifact is the checkpoint of the epoch whose
     validation predicts the longest acceptance (nested speculators format), every epoch's under checkpoints/."""
     from eaglet import acceptance
-    from eaglet.train import (METRICS_FILE, best_checkpoint, discard_incomplete_checkpoints, speculators_argv,
+    from eaglet.train import (BF16_MIN_SPEEDUP, METRICS_FILE, best_checkpoint, bf16_matmul_speedup, cpu_dtype,
+                              discard_incomplete_checkpoints, on_accelerator, speculators_argv,
                               train_draft as train, warm_start_weights, write_delivered, write_final_draft)
 
     log = get_run_logger()
@@ -515,6 +516,9 @@ def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_di
                                 draft_config=layer_config, multimodal=verifier.nested_text_config,
                                 states_dtype=cfg.extraction.dtype, init=init)
         (work_dir / "speculators_train_argv.json").write_text(json.dumps(argv))
+        if cfg.training.cpu_dtype == "auto" and not on_accelerator():
+            log.info(f"training in {cpu_dtype('auto')} on this CPU: its bf16 matmuls run {bf16_matmul_speedup():.2f}x "
+                     f"float32's (bf16 from {BF16_MIN_SPEEDUP}x; training.cpu_dtype overrides)")
         progress = Progress("training", "training the draft", "epochs")
         train(argv, work_dir / METRICS_FILE, _training_monitor(log, progress, n_epochs))
         progress.close()

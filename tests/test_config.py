@@ -95,3 +95,17 @@ def test_an_engine_eaglet_starts_can_answer_the_smoke_baseline_when_training_ans
     assert not baseline_engine_fits(served, cfg)  # ... and then the smoke test answers with an engine of its own
     long_answers = load_config(None, ["data.max_new_tokens=256"])
     assert started_engine_max_model_len(long_answers) == 1024 + 256
+
+
+def test_cpu_training_dtype_auto_follows_this_cpus_measured_bf16_speed():
+    """training.cpu_dtype=auto: bf16 only where bf16 matmuls are measured fast enough here; measured once per
+    process, so every cache key and the argv of one run agree."""
+    import math
+
+    from eaglet.train import BF16_MIN_SPEEDUP, bf16_matmul_speedup, cpu_dtype
+
+    speedup = bf16_matmul_speedup()
+    assert math.isfinite(speedup) and speedup > 0
+    assert bf16_matmul_speedup() == speedup  # not measured again
+    assert cpu_dtype("auto") == ("bfloat16" if speedup >= BF16_MIN_SPEEDUP else "float32")
+    assert (cpu_dtype("float32"), cpu_dtype("bfloat16")) == ("float32", "bfloat16")
