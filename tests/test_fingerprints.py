@@ -66,10 +66,24 @@ def _chain(cfg: RunConfig, verifier: VerifierInfo, data_file: str, init: str | N
     return keys
 
 
-def _leaves():
-    for section, sfield in RunConfig.model_fields.items():
-        for name in sfield.annotation.model_fields:
-            yield section, name
+def _leaves() -> list[str]:
+    return [f"{section}.{name}" for section, sfield in RunConfig.model_fields.items()
+            for name in sfield.annotation.model_fields]
+
+
+# Parameters that change the artifacts they affect: each one, perturbed, must change some artifact key. Every
+# RunConfig field is here or in NOT_IN_KEYS (test_every_parameter_is_placed): a new field must be placed.
+IN_KEYS = [
+    "data.max_seq_len", "data.eval_fraction", "data.max_samples", "data.regenerate", "data.max_new_tokens",
+    "data.temperature", "data.responses_per_prompt", "data.seed",
+    "extraction.engine_dtype", "extraction.dtype",
+    "draft.draft_vocab_size", "draft.norm_before_residual", "draft.norm_before_fc", "draft.norm_output",
+    "training.epochs", "training.lr", "training.optimizer", "training.scheduler", "training.warmup_steps",
+    "training.ttt_steps", "training.total_seq_len", "training.seed", "training.cpu_dtype", "training.loss",
+    "training.ttt_step_loss_decay",
+    "export.layer_prefix", "export.serving_id", "export.keep_embeddings",
+    "smoke.enabled", "smoke.num_speculative_tokens", "smoke.max_tokens", "smoke.num_prompts", "smoke.dtype",
+]
 
 
 # 'auto' settings enter the keys resolved on this machine (test_auto_dtypes_enter_resolved)
@@ -115,20 +129,32 @@ def data_file(tmp_path):
     return str(f)
 
 
-@pytest.mark.parametrize("section,name", list(_leaves()))
-def test_every_parameter_changes_the_keys_it_affects(section, name, verifier, data_file):
-    if f"{section}.{name}" in NOT_IN_KEYS:
-        pytest.skip(NOT_IN_KEYS[f"{section}.{name}"])
+def test_every_parameter_is_placed():
+    """Each RunConfig field is either tested to change the keys (IN_KEYS) or excluded with its reason
+    (NOT_IN_KEYS), never both, never neither."""
+    leaves = _leaves()
+    assert len(IN_KEYS) == len(set(IN_KEYS)), "a field listed twice in IN_KEYS"
+    assert not set(IN_KEYS) & set(NOT_IN_KEYS), set(IN_KEYS) & set(NOT_IN_KEYS)
+    assert set(IN_KEYS) | set(NOT_IN_KEYS) == set(leaves), {
+        "unplaced (add to IN_KEYS or NOT_IN_KEYS)": sorted(set(leaves) - set(IN_KEYS) - set(NOT_IN_KEYS)),
+        "not a field": sorted((set(IN_KEYS) | set(NOT_IN_KEYS)) - set(leaves))}
+    for where, reason in NOT_IN_KEYS.items():
+        assert isinstance(reason, str) and reason.strip(), f"{where}: excluded without a reason"
+
+
+@pytest.mark.parametrize("where", IN_KEYS)
+def test_every_parameter_changes_the_keys_it_affects(where, verifier, data_file):
+    section, name = where.split(".")
     # rows held out by digest (data.eval_fraction); sampled answers only where more than one per prompt is
     # perturbed (more than one greedy answer per prompt is refused)
     sampled = {"temperature": 0.7} if name == "responses_per_prompt" else {}
     base = RunConfig.model_validate({"data": {"path": data_file, **sampled}})
     sec = getattr(base, section)
-    other = _other_value(sec, name, getattr(sec, name), f"{section}.{name}")
+    other = _other_value(sec, name, getattr(sec, name), where)
     changed = base.model_copy(update={section: sec.model_copy(update={name: other})})
     RunConfig.model_validate(changed.model_dump())  # the perturbed value is a valid parameter
     before, after = _chain(base, verifier, data_file), _chain(changed, verifier, data_file)
-    assert before != after, f"{section}.{name} changes no artifact key"
+    assert before != after, f"{where} changes no artifact key"
 
 
 @pytest.mark.parametrize("where", sorted(AUTO_RESOLVED))
