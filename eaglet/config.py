@@ -47,8 +47,9 @@ class DataParams(_Section):
     max_seq_len: int = Field(1024, ge=16, le=131072, description="Tokens per sample after the chat template.")
     eval_path: str | None = Field(
         None, description="A fixed held-out file (same shapes as data.path): its prompts are the smoke prompts and are "
-        "never trained on. Empty: rows are held out by their digest (data.eval_fraction); for the shipped prompts, "
-        "their own fixed 40 held-out rows.")
+        "never trained on. Empty: for the shipped prompts, and any file holding one of their held-out prompts (a file "
+        "grown from them), the shipped 40 held-out rows; for other files, rows held out by their digest "
+        "(data.eval_fraction).")
     eval_fraction: float = Field(
         0.04, gt=0.0, lt=1.0, description="Share of rows held out when there is no data.eval_path. A row is held "
         "out or not by its prompt's digest and data.seed alone: appending rows never moves an old one.")

@@ -99,10 +99,34 @@ def row_digest(messages: list[dict]) -> str:
     return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:20]
 
 
+def prompt_digest(messages: list[dict]) -> str:
+    """A prompt's identity: what the held-out split, the smoke test and a draft's lineage compare."""
+    return row_digest(prompt_part(messages))
+
+
+def prompt_digests(path: str | Path) -> set[str]:
+    return {prompt_digest(m) for m in read_conversations(path)}
+
+
+def held_out_file(rows: list[list[dict]], eval_path: str | None, data_path: str | None) -> str | None:
+    """The fixed held-out file of a run, or None for the digest split.
+
+    data.eval_path when given; else the shipped held-out rows for the shipped prompts and for any file that holds
+    one of those prompts (a file grown from the shipped prompts): a digest split there would move shipped held-out
+    prompts into training and hold out prompts that earlier drafts trained on. Any other file: the digest split,
+    under which appending rows never moves an old one."""
+    if eval_path:
+        return eval_path
+    if data_path is None:
+        return str(DEFAULT_EVAL)
+    shipped = prompt_digests(DEFAULT_EVAL)
+    return str(DEFAULT_EVAL) if any(prompt_digest(m) in shipped for m in rows) else None
+
+
 def held_out(messages: list[dict], seed: int, fraction: float) -> bool:
     """Whether a row is held out: a function of its prompt's digest and the seed alone, so adding, removing or
     reordering other rows never moves it between train and eval (two answers to one prompt stay together)."""
-    h = hashlib.sha256(f"{seed}:{row_digest(prompt_part(messages))}".encode()).hexdigest()
+    h = hashlib.sha256(f"{seed}:{prompt_digest(messages)}".encode()).hexdigest()
     return int(h[:15], 16) / 16**15 < fraction
 
 
@@ -116,8 +140,8 @@ def split_conversations(rows: list[list[dict]], eval_fraction: float, seed: int,
     ordered = [unique[d] for d in sorted(unique)]
     if eval_rows is not None:
         held = sorted(eval_rows, key=row_digest)
-        eval_prompts = {row_digest(prompt_part(m)) for m in held}
-        train = [m for m in ordered if row_digest(prompt_part(m)) not in eval_prompts]
+        eval_prompts = {prompt_digest(m) for m in held}
+        train = [m for m in ordered if prompt_digest(m) not in eval_prompts]
         counts["eval_overlap"] = len(ordered) - len(train)
     else:
         held = [m for m in ordered if held_out(m, seed, eval_fraction)]

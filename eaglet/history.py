@@ -3,6 +3,7 @@
   DIR/drafts/<draft key>/   every run's flat draft (hard links to DIR/draft's files) with its report.json
   DIR/current               a symlink to the drafts/<key> that serves: moved (atomically) only to a draft that
                             passes the gate and beats the current one on the same held-out prompts and settings
+                            (a figure measured on other prompts or settings never decides a promotion)
 
 The gate: a draft that is not lossless, or (smoke.min_acceptance) whose mean acceptance length is below the bar,
 fails the run after its report is written; it is kept in the history, never promoted.
@@ -68,9 +69,10 @@ def decide(out: Path, draft_key: str, smoke: dict | None, comparison: str | None
         d.update(promoted=True, reason="promoted: the first draft of this directory")
     elif cur["key"] == draft_key:
         d.update(promoted=True, reason="already current (the same draft)")
-    elif cur["comparison"] != comparison:
-        d.update(promoted=True, reason="promoted: the current draft was measured on other held-out prompts, "
-                 "settings or verifier, so its figure does not compare")
+    elif cur["comparison"] != comparison:  # never promote on a figure that does not compare
+        d["reason"] = (f"not promoted: the current draft {cur['key']} was measured on other held-out prompts, smoke "
+                       "settings or verifier, so the two figures do not compare; the current draft stays (measure "
+                       "it on these prompts with `eaglet smoke`, or use a new output directory)")
     elif d["delta"] > 0:
         d.update(promoted=True, reason=f"promoted: beats the current draft {cur['key']} by {d['delta']:+.3f} "
                  f"({new:.3f} vs {cur['acceptance']:.3f})")

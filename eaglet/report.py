@@ -118,6 +118,13 @@ def render_markdown(report: dict) -> str:
             lines.append(f"- verifier alone measured {s['baseline_measured']}" + (kept if s.get("baseline_reused") else ""))
         if plots.get("acceptance"):
             lines += ["", f"![acceptance per position]({plots['acceptance']})"]
+    h, w = report.get("held_out"), report.get("warm_start")
+    if h:
+        seen = "not known" if h["seen_in_training"] is None else h["seen_in_training"]
+        lines += ["", "## Held-out prompts", "", f"- {h['prompts']} held-out prompts; seen in training by this draft "
+                  f"or a draft it was warm-started from: **{seen}**"]
+        if w:
+            lines.append(f"- training.init={w.get('requested')}: {w.get('reason')}")
     p = report.get("promotion")
     if p:
         lines += ["", "## Promotion", "", f"- {p['reason']}"]
@@ -218,7 +225,7 @@ def load_seconds(tasks: dict, stats: dict[str, dict], smoke: dict | None) -> dic
 
 def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: dict, artifacts: dict[str, str],
                   verifier_loads: int, smoke: dict | None, engine_loads: dict[str, int] | None = None,
-                  comparison: str | None = None, warm_start: str | None = None) -> dict:
+                  comparison: str | None = None, warm_start: dict | None = None) -> dict:
     """artifacts: store paths by stage (data, responses, hidden_states, vocab, checkpoint, draft).
     verifier_loads: weight loads before training; engine_loads: per stage, every load of the run.
     comparison: eaglet.history.comparison_key of the smoke test. Keeps the draft in DIR/drafts/<key> and moves
@@ -248,7 +255,9 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
         "comparison": comparison,
         "gate_failure": failure,
         "promotion": promotion,
-        "warm_start": {"from": warm_start} if warm_start else None,
+        "warm_start": warm_start,
+        "held_out": held_out_overlap(Path(artifacts["data"]), Path(artifacts["checkpoint"]),
+                                     (warm_start or {}).get("from")),
         "simulated_acceptance": _simulated(Path(artifacts["checkpoint"])),
         "simulated_decoding": _json(Path(artifacts["checkpoint"]) / "acceptance.json"),
         "finished": time.time(),
@@ -279,6 +288,22 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
     _write_json(out / "report.json", report)  # a new file: the kept link still holds the run's own report
     (out / "report.md").write_text(render_markdown(report))
     return report
+
+
+def held_out_overlap(data_dir: Path, checkpoint: Path, warm_from: str | None) -> dict:
+    """How many of the run's held-out prompts the delivered draft, or any draft it was warm-started from, trained
+    on (0 unless a rule broke; None: not known, a warm start from a directory with no eaglet lineage)."""
+    from eaglet.data import prompt_digests
+    from eaglet.train import read_lineage
+
+    held = prompt_digests(data_dir / "eval.jsonl")
+    lineage = read_lineage(checkpoint)
+    if lineage is None:  # a draft trained before lineages were kept: its own rows, and its warm start's record
+        parent = read_lineage(Path(warm_from)) if warm_from else {"known": True, "prompts": []}
+        lineage = {"known": bool(parent and parent["known"]),
+                   "prompts": prompt_digests(data_dir / "train.jsonl") | set((parent or {}).get("prompts", []))}
+    seen = len(held & set(lineage["prompts"])) if lineage["known"] else None
+    return {"prompts": len(held), "seen_in_training": seen}
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -70,11 +70,12 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
                                         params)
             states_dir = run("extract-hidden-states", stages.extract_hidden_states, verifier, conversations_dir,
                              params)
-        init_dir = None
+        warm_start = None
         if params.training.init != "scratch":
-            init_dir = run("find-warm-start", stages.find_warm_start, verifier, states_dir, params)
+            warm_start = run("find-warm-start", stages.find_warm_start, verifier, states_dir, data_dir, params)
+        init_dir = warm_start["from"] if warm_start else None
         vocab_dir = run("build-vocab", stages.build_vocab, verifier, states_dir, init_dir, params)
-        ckpt_dir = run("train-draft", stages.train_draft, verifier, states_dir, vocab_dir, init_dir, params)
+        ckpt_dir = run("train-draft", stages.train_draft, verifier, states_dir, vocab_dir, init_dir, data_dir, params)
         draft_dir = run("export-draft", stages.export_draft, verifier, ckpt_dir, params)
         run("validate-draft", stages.validate_draft, verifier, draft_dir)
         smoke = None
@@ -95,7 +96,7 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
                           if name in t and t[name]["state"] != "Cached")
         report = write_outputs(Path(output_dir), params, verifier, t, artifacts, verifier_loads, smoke,
                                engine_loads={"data": verifier_loads, "smoke": smoke_loads},
-                               comparison=stages.comparison_key(verifier, data_dir, params), warm_start=init_dir)
+                               comparison=stages.comparison_key(verifier, data_dir, params), warm_start=warm_start)
         publish_report(str(Path(output_dir).resolve()))  # the report, tables, plots and links in the UI
     log.info(f"draft written to {report['draft_dir']}; report at {Path(output_dir) / 'report.md'}; "
              f"{report['promotion']['reason']}")

@@ -111,24 +111,21 @@ def resolve_verifier(path: str, cfg: RunConfig) -> VerifierInfo:
 
 # --- data ---------------------------------------------------------------------------------------------------
 
-def eval_file(cfg: RunConfig) -> str | None:
-    """The fixed held-out file, if any: data.eval_path, or for the shipped prompts their own."""
-    return cfg.data.eval_path or (str(data_mod.DEFAULT_EVAL) if cfg.data.path is None else None)
-
-
 def _split(data_file: str, cfg: RunConfig):
+    """(train, held out, counts, the fixed held-out file or None): eaglet.data.held_out_file chooses the file."""
     d = cfg.data
-    held = data_mod.read_conversations(eval_file(cfg)) if eval_file(cfg) else None
-    return data_mod.split_conversations(data_mod.read_conversations(data_file), d.eval_fraction, d.seed,
-                                        d.max_samples, held)
+    rows = data_mod.read_conversations(data_file)
+    held_file = data_mod.held_out_file(rows, d.eval_path, d.path)
+    held = data_mod.read_conversations(held_file) if held_file else None
+    return (*data_mod.split_conversations(rows, d.eval_fraction, d.seed, d.max_samples, held), held_file)
 
 
 def data_key(data_file: str, cfg: RunConfig) -> str:
     """The rows themselves (digests, in digest order), not the file: reordering rows changes nothing, and a new
     row changes only what it has to."""
-    if not Path(data_file).is_file() or (eval_file(cfg) and not Path(eval_file(cfg)).is_file()):
-        return _key("data", missing=[data_file, eval_file(cfg)])  # the task itself reports the problem
-    train, held, _ = _split(data_file, cfg)
+    if not Path(data_file).is_file() or (cfg.data.eval_path and not Path(cfg.data.eval_path).is_file()):
+        return _key("data", missing=[data_file, cfg.data.eval_path])  # the task itself reports the problem
+    train, held, _, _ = _split(data_file, cfg)
     return _key("data", train=store.digest([data_mod.row_digest(m) for m in train]),
                 eval=store.digest([data_mod.row_digest(m) for m in held]))
 
@@ -137,7 +134,7 @@ def data_key(data_file: str, cfg: RunConfig) -> str:
 def prepare_data(data_file: str, cfg: RunConfig) -> str:
     """Normalise the conversations and hold out the evaluation rows: DIR/train.jsonl, DIR/eval.jsonl (both
     deduplicated and in digest order)."""
-    train, held_out, counts = _split(data_file, cfg)
+    train, held_out, counts, held_file = _split(data_file, cfg)
     if not cfg.data.regenerate:
         data_mod.check_has_responses(train)
 
@@ -147,10 +144,13 @@ def prepare_data(data_file: str, cfg: RunConfig) -> str:
         (tmp / "stats.json").write_text(json.dumps(counts))
 
     dropped = ", ".join(f"{counts[k]} {k.replace('_', ' ')}" for k in ("duplicates", "eval_overlap") if counts[k])
-    get_run_logger().info(f"{len(train)} training and {len(held_out)} held-out conversations"
-                          + (f" (dropped: {dropped})" if dropped else ""))
-    return str(store.publish("data", data_key(data_file, cfg), build, inputs={"file": data_file,
-                                                                               "eval": eval_file(cfg)}))
+    log = get_run_logger()
+    log.info(f"{len(train)} training and {len(held_out)} held-out conversations"
+             + (f" (dropped: {dropped})" if dropped else ""))
+    if held_file and not cfg.data.eval_path and cfg.data.path:
+        log.info(f"{data_file} holds shipped prompts: its held-out rows are the shipped {held_file} (data.eval_path "
+                 "chooses others)")
+    return str(store.publish("data", data_key(data_file, cfg), build, inputs={"file": data_file, "eval": held_file}))
 
 
 def regen_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
@@ -378,23 +378,22 @@ def draft_shape(verifier: VerifierInfo, cfg: RunConfig) -> str:
 
 
 @task(name="find-warm-start")
-def find_warm_start(verifier: VerifierInfo, states_dir: str, cfg: RunConfig) -> str | None:
-    """training.init resolved to a checkpoint directory (None: from scratch). 'previous' is the newest stored draft
-    of this shape trained on other data; none yet (a first night) means from scratch."""
-    from eaglet.train import find_previous
+def find_warm_start(verifier: VerifierInfo, states_dir: str, data_dir: str, cfg: RunConfig) -> dict:
+    """training.init resolved: {"from": a checkpoint directory or None (scratch), "reason", "held_out_seen"}.
+    'previous' is the newest stored draft of this shape trained on other data; a draft whose lineage trained on
+    one of this run's held-out prompts is refused (eaglet.train.warm_start_decision)."""
+    from eaglet.train import find_previous, warm_start_decision
 
     init = cfg.training.init
-    if init == "scratch":
-        return None
-    if init != "previous":
-        return str(Path(init).resolve())
-    found = find_previous(store.store_root() / "draft_ckpt", draft_shape(verifier, cfg), Path(states_dir).name)
+    if init == "previous":
+        candidate = find_previous(store.store_root() / "draft_ckpt", draft_shape(verifier, cfg), Path(states_dir).name)
+    else:
+        candidate = Path(init).resolve()
+    held_out = data_mod.prompt_digests(Path(data_dir) / "eval.jsonl")
+    decision = warm_start_decision(candidate, held_out, explicit=init != "previous")
     log = get_run_logger()
-    if found is None:
-        log.warning("training.init=previous: no earlier draft of this shape in the store; training from scratch")
-        return None
-    log.info(f"warm start from the previous draft {found.name}")
-    return str(found)
+    (log.info if decision["from"] else log.warning)(decision["reason"])
+    return {"requested": init, **decision}
 
 
 def _init_identity(init_dir: str | None) -> str | None:
@@ -433,7 +432,8 @@ def build_vocab(verifier: VerifierInfo, states_dir: str, init_dir: str | None, c
 
 
 def training_key(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_dir: str | None,
-                 cfg: RunConfig) -> str:
+                 cfg: RunConfig, data_dir: str | None = None) -> str:
+    """data_dir is not in the key: the states' key already names the data they were captured from."""
     from importlib.metadata import version
 
     from eaglet.convert import read_reference
@@ -487,14 +487,16 @@ def _training_monitor(log, progress: Progress, epochs: int):
 
 
 @task(name="train-draft", cache_key_fn=_cache_key("draft_ckpt", training_key), persist_result=True)
-def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_dir: str | None,
+def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_dir: str | None, data_dir: str,
                 cfg: RunConfig) -> str:
     """Train with speculators (from scratch or from init_dir); the artifact is the checkpoint of the epoch whose
-    validation predicts the longest acceptance (nested speculators format), every epoch's under checkpoints/."""
+    validation predicts the longest acceptance (nested speculators format), every epoch's under checkpoints/, and
+    the draft's lineage (the prompts of data_dir's training rows and of its warm start's lineage)."""
     from eaglet import acceptance
     from eaglet.train import (BF16_MIN_SPEEDUP, METRICS_FILE, best_checkpoint, bf16_matmul_speedup, cpu_dtype,
                               discard_incomplete_checkpoints, on_accelerator, speculators_argv,
-                              train_draft as train, warm_start_weights, write_delivered, write_final_draft)
+                              train_draft as train, warm_start_weights, write_delivered, write_final_draft,
+                              write_lineage)
 
     log = get_run_logger()
     n_epochs = epochs(init_dir, cfg)
@@ -528,6 +530,7 @@ def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_di
                      "it is the draft")
         write_final_draft(best, work_dir)  # the top level is the draft; checkpoints/ keeps every epoch
         write_delivered(work_dir, best, predicted)
+        write_lineage(work_dir, Path(data_dir) / "train.jsonl", Path(init_dir) if init_dir else None)
         try:  # what vLLM should measure: decoding simulated on the validation rows (eaglet.acceptance)
             sim = acceptance.write(best, argv, work_dir / "acceptance.json")
         except Exception as e:  # a figure for the report, not a reason to lose the training

@@ -5,7 +5,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from eaglet.data import (assistant_mask, check_has_responses, normalize_row, read_conversations,
+from eaglet.data import (assistant_mask, check_has_responses, normalize_row, prompt_digest, read_conversations,
                          row_digest, split_conversations, tokenize_conversations)
 from eaglet.errors import EagletError
 
@@ -115,6 +115,27 @@ def test_shipped_eval_rows_are_shipped_prompts():
     prompts = {json.loads(line)["prompt"] for line in DEFAULT_PROMPTS.read_text().splitlines()}
     held = [json.loads(line)["prompt"] for line in DEFAULT_EVAL.read_text().splitlines()]
     assert len(held) == len(set(held)) == 40 and set(held) <= prompts
+
+
+def test_files_grown_from_the_shipped_prompts_keep_the_shipped_held_out_rows(tmp_path):
+    """The nightly leak: the shipped prompts plus new rows as a new file, no data.eval_path. A digest split would
+    move shipped held-out prompts into training and hold out prompts the cold draft trained on; the file keeps the
+    shipped held-out rows instead. data.eval_path still wins, and an unrelated file is split by digest."""
+    from eaglet.data import DEFAULT_EVAL, DEFAULT_PROMPTS, held_out_file, prompt_digests
+
+    grown = tmp_path / "grown.jsonl"
+    grown.write_text(DEFAULT_PROMPTS.read_text() + json.dumps({"prompt": "a new prompt"}) + "\n")
+    rows = read_conversations(grown)
+    assert held_out_file(rows, None, str(grown)) == str(DEFAULT_EVAL)
+    assert held_out_file(read_conversations(DEFAULT_PROMPTS), None, None) == str(DEFAULT_EVAL)
+    assert held_out_file(rows, str(tmp_path / "mine.jsonl"), str(grown)) == str(tmp_path / "mine.jsonl")
+    own = [[{"role": "user", "content": f"own {i}"}] for i in range(50)]
+    assert held_out_file(own, None, "own.jsonl") is None
+    one_shipped = own + read_conversations(DEFAULT_EVAL)[:1]  # one shipped held-out prompt is enough
+    assert held_out_file(one_shipped, None, "own.jsonl") == str(DEFAULT_EVAL)
+    train, held, _ = split_conversations(rows, 0.04, 0, eval_rows=read_conversations(DEFAULT_EVAL))
+    assert {row_digest(m) for m in held} == {row_digest(m) for m in read_conversations(DEFAULT_EVAL)}
+    assert not prompt_digests(DEFAULT_EVAL) & {prompt_digest(m) for m in train}
 
 
 def test_default_prompts_file_is_large_and_varied():

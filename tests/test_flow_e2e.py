@@ -153,18 +153,18 @@ NEW_PROMPTS = ["Name three uses of a paperclip.", "What is 17 times 3?", "Write 
 
 @pytest.fixture(scope="module")
 def nightly(e2e_run, session_dir, tmp_path_factory):
-    """The nightly retrain after the first run: the shipped prompts plus 12 new ones, the same fixed held-out
-    file, a warm start for one epoch, in a copy of the first run's directory (its draft is the current one)."""
+    """The nightly retrain after the first run: the shipped prompts plus 12 new ones as a new file, with no
+    data.eval_path (the shipped held-out rows must stay held out), a warm start for one epoch, in a copy of the
+    first run's directory (its draft is the current one)."""
     import shutil
 
-    from eaglet.data import DEFAULT_EVAL, DEFAULT_PROMPTS
+    from eaglet.data import DEFAULT_PROMPTS
 
     data = tmp_path_factory.mktemp("nightly") / "grown.jsonl"
     data.write_text(DEFAULT_PROMPTS.read_text() + "".join(json.dumps({"prompt": p}) + "\n" for p in NEW_PROMPTS))
     out = session_dir / "nightly"
     shutil.copytree(e2e_run["out"], out, symlinks=True)
-    sets = [*e2e_run["sets"], f"--set=data.path={data}", f"--set=data.eval_path={DEFAULT_EVAL}",
-            "--set=training.init=previous", "--set=training.warm_epochs=1"]
+    sets = [*e2e_run["sets"], f"--set=data.path={data}", "--set=training.init=previous", "--set=training.warm_epochs=1"]
     proc = run_cli(["run", *sets, "--output-dir", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"out": out, "sets": sets, "report": json.loads((out / "report.json").read_text())}
@@ -190,6 +190,10 @@ def test_nightly_computes_only_new_rows_and_warm_starts(nightly, e2e_run):
     assert r["tasks"]["verifier-baseline"]["state"] == "Cached"
     data, first_data = Path(r["artifacts"]["data"]), Path(first["artifacts"]["data"])
     assert (data / "eval.jsonl").read_text() == (first_data / "eval.jsonl").read_text()  # the same held-out rows
+    assert r["held_out"] == {"prompts": 40, "seen_in_training": 0}  # by the draft and the draft it started from
+    assert r["warm_start"]["held_out_seen"] == 0 and "none of the 40 held-out prompts" in r["warm_start"]["reason"]
+    assert "seen in training by this draft or a draft it was warm-started from: **0**" in \
+        (nightly["out"] / "report.md").read_text()
     # 'previous': the newest stored draft of this shape trained on other data (the session's other runs on the
     # first run's data, e.g. the learning-rate rerun, count too)
     warm = Path(r["warm_start"]["from"])
@@ -231,3 +235,23 @@ def test_unchanged_night_loads_nothing_and_the_gate_fails_it(nightly, tmp_path):
     assert (nightly["out"] / "current").resolve() == current
     kept = json.loads((nightly["out"] / "drafts" / Path(r["artifacts"]["draft"]).name / "report.json").read_text())
     assert kept["verifier_loads"] == 1 and kept["extraction"]["rows_computed"] == len(NEW_PROMPTS)  # the night's own
+
+
+def test_warm_start_whose_lineage_saw_held_out_prompts_is_refused(nightly, e2e_run, session_dir, tmp_path):
+    """Held-out prompts that the previous drafts trained on (8 of the first run's training rows): 'previous' is
+    refused, the run trains from scratch on the same rows (reused: no verifier load) and says why."""
+    first_train = Path(e2e_run["report"]["artifacts"]["data"]) / "train.jsonl"
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(first_train.read_text().splitlines(keepends=True)[:8]))
+    sets = [*e2e_run["sets"], f"--set=data.path={first_train}", f"--set=data.eval_path={held}",
+            "--set=training.init=previous", "--set=training.epochs=1", "--set=smoke.enabled=false"]
+    out = session_dir / "refused"
+    proc = run_cli(["run", *sets, "--output-dir", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((out / "report.json").read_text())
+    w = r["warm_start"]
+    assert w["from"] is None and w["held_out_seen"] == 8 and "refused the warm start" in w["reason"], w
+    assert r["held_out"] == {"prompts": 8, "seen_in_training": 0} and r["verifier_loads"] == 0
+    argv = json.loads((Path(r["artifacts"]["checkpoint"]) / "speculators_train_argv.json").read_text())
+    assert "--from-pretrained" not in argv
+    assert "refused the warm start" in (out / "report.md").read_text()
