@@ -10,7 +10,8 @@ minutes on one GPU. `bash scripts/gpu_check.sh [OUT_DIR]`; the summary is OUT_DI
   5. export to the flat vLLM config, validation, vLLM smoke-load: acceptance, lossless (float32)
 
 --allow-cpu runs the same on CPU (vLLM's CPU backend, CPU training settings): the suite runs it that way so the
-script keeps working where no GPU is lent. Exit 1 when a check fails.
+script keeps working where no GPU is lent, with smaller sizes (--samples, --eval-prompts, --max-tokens, --epochs)
+and its session's tiny verifier (--verifier). Exit 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -84,10 +85,15 @@ def main() -> int:
     ap.add_argument("out", nargs="?", default="out/gpu-check")
     ap.add_argument("--allow-cpu", action="store_true")
     ap.add_argument("--samples", type=int, default=64, help="training conversations")
+    ap.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts of the smoke-load")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens answered per prompt (the pass, the smoke-load)")
+    ap.add_argument("--epochs", type=int, default=2, help="training epochs")
+    ap.add_argument("--verifier", help="a tiny verifier already made by tests/tiny_verifier.py (default: make one)")
     args = ap.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    summary: dict = {"environment": environment(args.allow_cpu), "seconds": {}}
+    summary: dict = {"environment": environment(args.allow_cpu), "seconds": {},
+                     "sizes": {k: getattr(args, k) for k in ("samples", "eval_prompts", "max_tokens", "epochs")}}
 
     def step(name: str, fn):
         print(f"gpu_check: {name} ...", flush=True)
@@ -110,20 +116,23 @@ def main() -> int:
     from eaglet.vocab import build_vocab_mapping
     from tests.tiny_verifier import make_tiny_verifier
 
-    verifier = step("tiny verifier", lambda: make_tiny_verifier(out / "verifier", DEFAULT_PROMPTS))
+    verifier = Path(args.verifier).resolve() if args.verifier else step(
+        "tiny verifier", lambda: make_tiny_verifier(out / "verifier", DEFAULT_PROMPTS))
     info = resolve_verifier(verifier)
     rows = read_conversations(DEFAULT_PROMPTS)
     write_conversations(out / "prompts.jsonl", rows[: args.samples])
-    write_conversations(out / "eval.jsonl", rows[args.samples : args.samples + 16])
+    write_conversations(out / "eval.jsonl", rows[args.samples : args.samples + args.eval_prompts])
     engine = step("verifier engine (vLLM)", lambda: start_engine(
-        str(verifier), info.fingerprint, capture_layers(info.aux_layer_ids, info.num_layers), out / "engine", 512 + 64))
+        str(verifier), info.fingerprint, capture_layers(info.aux_layer_ids, info.num_layers), out / "engine",
+        512 + args.max_tokens))
 
     def capture(name: str, conversations: Path, regenerate: bool) -> dict:
         work = out / name
         work.mkdir(exist_ok=True)
         stats = generate_and_capture(engine, str(verifier), conversations, work,
                                      capture_layers(info.aux_layer_ids, info.num_layers), 512,
-                                     regenerate=regenerate, max_new_tokens=64, fingerprint=info.fingerprint)
+                                     regenerate=regenerate, max_new_tokens=args.max_tokens,
+                                     fingerprint=info.fingerprint)
         stats.pop("file_sha256"), stats.pop("rows_linked")  # one digest per file: not a figure for the summary
         return stats
 
@@ -149,7 +158,7 @@ def main() -> int:
     for d in (vocab, ckpt, draft):
         d.mkdir(exist_ok=True)
     build_vocab_mapping(token_freq(states), 256, info.vocab_size, vocab)
-    cfg = RunConfig.model_validate({"training": {"epochs": 2, "lr": 3e-3, "warmup_steps": 2}})
+    cfg = RunConfig.model_validate({"training": {"epochs": args.epochs, "lr": 3e-3, "warmup_steps": 2}})
     argv = speculators_argv(str(verifier), states, vocab, ckpt / "checkpoints", info.aux_layer_ids, 256, cfg.draft,
                             cfg.training)
     summary["training"] = {"ranks": max(1, visible_accelerators()), "argv": argv}
@@ -159,7 +168,7 @@ def main() -> int:
     report = check_flat_draft(draft, str(verifier))
     summary["validation_warnings"] = report.warnings
     smoke = step("vLLM smoke-load", lambda: smoke_test(str(verifier), str(draft), load_prompts(out / "eval.jsonl"),
-                                                       k=3, max_tokens=64, max_model_len=512))
+                                                       k=3, max_tokens=args.max_tokens, max_model_len=512))
     summary["smoke"] = smoke.model_dump()
     summary["ok"] = bool(summary["hf_vs_vllm"]["ok"] and smoke.lossless and smoke.drafts > 0)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -1,5 +1,6 @@
 """scripts/gpu_check.sh kept working where no GPU is lent: the same steps with --allow-cpu (vLLM's CPU backend,
-CPU training settings), and the clear refusal without it."""
+CPU training settings) at the smallest sizes that still run each step (the session's tiny verifier, 8 training
+conversations, 4 held-out prompts, 16 tokens, one epoch), and the clear refusal without it."""
 
 from __future__ import annotations
 
@@ -25,12 +26,14 @@ def test_without_a_gpu_it_says_so(tmp_path):
     assert proc.returncode == 1 and "sees no CUDA device" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_every_step_runs_on_cpu(tmp_path):
+def test_every_step_runs_on_cpu(tiny_verifier, tmp_path):
     out = tmp_path / "out"
-    proc = _gpu_check(str(out), "--allow-cpu", "--samples", "32")
+    proc = _gpu_check(str(out), "--allow-cpu", "--verifier", str(tiny_verifier), "--samples", "8",
+                      "--eval-prompts", "4", "--max-tokens", "16", "--epochs", "1")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ok"] and summary["environment"]["cuda"] is False
+    assert summary["sizes"] == {"samples": 8, "eval_prompts": 4, "max_tokens": 16, "epochs": 1}
     compared = summary["hf_vs_vllm"]
     assert compared["files"] == summary["extract_hf"]["samples"] == summary["extract_vllm"]["samples"] > 0
     assert compared["cosine_min"] > 0.999 and len(compared["cosine_min_per_layer"]) == 4  # 3 aux + last
