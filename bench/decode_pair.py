@@ -5,6 +5,10 @@ Both engines are built first (same settings; prefix caching off, so every pass c
 warmed up with full-length batch-1 generations, then the passes alternate: alone, draft, alone, draft, ... Each
 pass generates the prompts one at a time; the draft engine's spec-decode counters are read around each of its
 passes, so every speedup has the acceptance length of the very tokens it timed.
+
+With job["batched"] ({"conversations", "max_tokens"}; the `check` preset), the same two engines then also give
+the batched rows (all conversations at once, one pass each, alone then draft), in the shape of an eaglet.vllm_worker
+decode result, instead of one engine per configuration started for them.
 """
 
 from __future__ import annotations
@@ -23,6 +27,33 @@ def _engine(job: dict, draft: bool):
     if draft:
         kwargs["speculative_config"] = {"method": "eagle3", "model": job["draft"], "num_speculative_tokens": job["k"]}
     return LLM(**kwargs)
+
+
+def batched(b: dict, alone, spec) -> dict:
+    """All of b["conversations"] in one generate call on each engine (alone, then draft): what eaglet.vllm_worker's
+    decode job returns (token_ids per conversation, seconds, tokens_per_s; "spec" counters with the draft)."""
+    from vllm import SamplingParams
+
+    from eaglet.vllm_worker import _counters
+
+    params = SamplingParams(temperature=0.0, max_tokens=b["max_tokens"], seed=0)
+    out = {}
+    for name, llm in (("alone", alone), ("draft", spec)):
+        llm.chat(b["conversations"][:1], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # as the job
+        before = _counters(llm)
+        t0 = time.perf_counter()
+        outputs = llm.chat(b["conversations"], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        after = _counters(llm)
+        ids = [[list(c.token_ids) for c in o.outputs] for o in outputs]
+        n = sum(len(t) for per in ids for t in per)
+        out[name] = {"token_ids": ids, "seconds": seconds, "output_tokens": n, "tokens_per_s": n / seconds}
+        if llm is spec:
+            out[name]["spec"] = {"drafts": after["drafts"] - before["drafts"],
+                                 "accepted": after["accepted"] - before["accepted"],
+                                 "accepted_per_pos": [x - y for x, y in zip(after["per_pos"], before["per_pos"] or
+                                                                            [0] * len(after["per_pos"]))]}
+    return out
 
 
 def main() -> None:
@@ -63,6 +94,8 @@ def main() -> None:
     for _ in range(job["repeats"]):
         passes.append({"alone": one_pass(alone), "draft": one_pass(spec)})
     result = {"load_seconds": {"alone": alone_load, "draft": spec_load}, "passes": passes}
+    if job.get("batched"):
+        result["batched"] = batched(job["batched"], alone, spec)
     tmp = job["out"] + ".tmp"
     with open(tmp, "w") as f:
         json.dump(result, f)

@@ -7,7 +7,7 @@
 - extraction:    the hf backend's extract-hidden-states task vs a bare verifier forward pass over the same batches
 - training:      the train-draft task vs speculators' own training entry point on the same data and settings
                  (bench.steps: steady-state tokens/s from speculators' steps, start-up seconds itemised), plus one
-                 pair at a realistic length
+                 pair at a realistic length (the comparison's first pair where that length is the run's own)
 - storage:       bytes per token of the stored hidden states, bf16 and fp8
 - decoding:      vLLM with and without the draft, k = 1..K, batched; batch 1 interleaved in one process
                  (bench.decode_pair)
@@ -162,10 +162,15 @@ def stages(home: Path, verifier_path: str, conversations_dir: str, data_dir: str
 
         fresh_store("x0")
         vocab = t.build_vocab(info, states0, None, cfg)
-        training = training_pairs(home, "", info, cfg, states0, vocab, repeats, p["warm_steps"])
-        long_cfg = cfg.model_copy(update={"training": cfg.training.model_copy(
-            update={"epochs": p["realistic_epochs"]})})
-        realistic = training_pairs(home, "long", info, long_cfg, states0, vocab, 1, p["warm_steps"])
+        training = training_pairs(home, "", info, cfg, states0, vocab, repeats, p["warm_steps"], conversations_dir)
+        if p["realistic_epochs"] == cfg.training.epochs:  # one pair at the run's own epochs: the comparison's first
+            realistic = {**training, "pipeline": training["pipeline"][:1], "direct": training["direct"][:1],
+                         "reused": "the comparison's first pair"}
+        else:
+            long_cfg = cfg.model_copy(update={"training": cfg.training.model_copy(
+                update={"epochs": p["realistic_epochs"]})})
+            realistic = training_pairs(home, "long", info, long_cfg, states0, vocab, 1, p["warm_steps"],
+                                       conversations_dir)
 
         fresh_store("fp8")
         fp8 = t.extract_hidden_states.with_options(refresh_cache=True)(
@@ -179,15 +184,17 @@ def stages(home: Path, verifier_path: str, conversations_dir: str, data_dir: str
     return bench_stages()
 
 
-def training_pairs(home: Path, tag: str, info, cfg, states: str, vocab: str, repeats: int, warm_steps: int) -> dict:
-    """`repeats` pairs, interleaved (pipeline, direct, pipeline, ...), each run in a fresh process."""
+def training_pairs(home: Path, tag: str, info, cfg, states: str, vocab: str, repeats: int, warm_steps: int,
+                   data_dir: str) -> dict:
+    """`repeats` pairs, interleaved (pipeline, direct, pipeline, ...), each run in a fresh process. data_dir: the
+    conversations the states were extracted from (train-draft records their prompts as the draft's lineage)."""
     from bench.steps import profile
     from eaglet.train import speculators_argv
 
     pipeline, direct = [], []
     for r in range(repeats):
         run = _train_once("pipeline", {"store": str(home / f"t{tag}{r}"), "verifier": info.model_dump(),
-                                       "cfg": cfg.model_dump(), "states": states, "vocab": vocab},
+                                       "cfg": cfg.model_dump(), "states": states, "vocab": vocab, "data": data_dir},
                           home / f"pipeline{tag}{r}")
         pipeline.append(profile(run, warm_steps))
         run = _train_once("direct", {"argv": speculators_argv(
@@ -218,39 +225,53 @@ def _bytes_per_token(states: Path, stats: dict) -> dict:
 
 # --- decoding -------------------------------------------------------------------------------------------------
 
+def _batched_row(k: int, spec: dict, base: dict) -> dict:
+    """One batched row from a decode result with the draft at k and the verifier-alone result it compares with."""
+    c = spec["spec"]
+    drafts = c["drafts"]
+    return {
+        "k": k,
+        "mean_acceptance_length": 1.0 + c["accepted"] / drafts if drafts else 1.0,
+        "acceptance_per_position": [a / drafts if drafts else 0.0 for a in c["accepted_per_pos"]],
+        "drafts": drafts,  # speculative steps the draft proposed for (0: it never ran)
+        "tokens_per_s_batched": spec["tokens_per_s"],
+        "speedup_batched": spec["tokens_per_s"] / base["tokens_per_s"],
+        "seconds_batched": spec["seconds"],
+        "identical_outputs": spec["token_ids"] == base["token_ids"],
+    }
+
+
 def decoding(verifier_path: str, draft: str, prompts: list, ks: list[int], max_tokens: int, batch1: dict,
-             max_model_len: int, dtype: str = "float32") -> dict:
+             max_model_len: int, dtype: str = "float32", batched_in_pair: bool = False) -> dict:
     """Greedy decoding in vLLM on held-out prompts, float32 by default: on CPU, bfloat16 makes greedy outputs with
     and without the draft differ (see eaglet/smoke.py), and then the two runs decode different tokens and their
     speeds are not comparable; `identical_outputs` says whether they were.
     Batched: all prompts at once, one engine per configuration, a short warm-up generation first.
     Batch 1 (for k in batch1["ks"]): bench.decode_pair, both engines in one process, warmed up, passes of
-    batch1["prompts"] prompts one at a time, alternating alone / draft, batch1["repeats"] of each."""
+    batch1["prompts"] prompts one at a time, alternating alone / draft, batch1["repeats"] of each.
+    batched_in_pair (the `check` preset, ks == batch1["ks"] == [k]): the batched rows from the batch-1 pair's two
+    engines (bench.decode_pair's "batched"), after its passes, instead of two more engines started for them."""
     from eaglet.vllm_run import run_vllm_job
 
+    if batched_in_pair and not (len(ks) == 1 and list(ks) == list(batch1["ks"])):
+        raise ValueError(f"batched_in_pair needs one k, the batch-1 pair's: ks {ks}, batch 1 {batch1['ks']}")
     job = {"verifier": verifier_path, "conversations": prompts, "max_tokens": max_tokens, "dtype": dtype,
            "max_model_len": max_model_len, "temperature": 0.0, "warmup": True}
-    base = run_vllm_job(job)
-    rows = []
-    for k in ks:
-        spec = run_vllm_job(dict(job, draft=draft, k=k))
-        c = spec["spec"]
-        drafts = c["drafts"]
-        rows.append({
-            "k": k,
-            "mean_acceptance_length": 1.0 + c["accepted"] / drafts if drafts else 1.0,
-            "acceptance_per_position": [a / drafts if drafts else 0.0 for a in c["accepted_per_pos"]],
-            "tokens_per_s_batched": spec["tokens_per_s"],
-            "speedup_batched": spec["tokens_per_s"] / base["tokens_per_s"],
-            "seconds_batched": spec["seconds"],
-            "identical_outputs": spec["token_ids"] == base["token_ids"],
-        })
+    rows, base = [], None
+    if not batched_in_pair:
+        base = run_vllm_job(job)
+        rows = [_batched_row(k, run_vllm_job(dict(job, draft=draft, k=k)), base) for k in ks]
     b1 = []
     for k in batch1["ks"]:
         res = _decode_pair({"verifier": verifier_path, "draft": draft, "k": k, "dtype": dtype,
                             "conversations": prompts[: batch1["prompts"]], "max_tokens": batch1["max_tokens"],
                             "max_model_len": max_model_len, "warmup": batch1["warmup"],
-                            "repeats": batch1["repeats"]})
+                            "repeats": batch1["repeats"],
+                            **({"batched": {"conversations": prompts, "max_tokens": max_tokens}}
+                               if batched_in_pair else {})})
+        if batched_in_pair:
+            base = res["batched"]["alone"]
+            rows = [_batched_row(k, res["batched"]["draft"], base)]
         passes = res["passes"]
         lengths = [1.0 + x["draft"]["accepted"] / x["draft"]["drafts"] if x["draft"]["drafts"] else 1.0
                    for x in passes]
@@ -261,13 +282,14 @@ def decoding(verifier_path: str, draft: str, prompts: list, ks: list[int], max_t
             "draft_tokens_per_s": spread([x["draft"]["tokens_per_s"] for x in passes]),
             "speedup": spread(speedups), "speedups": speedups,
             "mean_acceptance_length": spread(lengths), "acceptance_lengths": lengths,
+            "drafts": [x["draft"]["drafts"] for x in passes],
             "identical_outputs": all(x["draft"]["token_ids"] == x["alone"]["token_ids"] for x in passes)
             and all(x["alone"]["token_ids"] == passes[0]["alone"]["token_ids"] for x in passes),
             "load_seconds": res["load_seconds"],
         })
     return {"prompts": len(prompts), "max_tokens": max_tokens, "dtype": dtype,
             "baseline_tokens_per_s_batched": base["tokens_per_s"], "baseline_seconds_batched": base["seconds"],
-            "k": rows,
+            "k": rows, "batched_engines": "the batch-1 pair's" if batched_in_pair else "one per configuration",
             "batch1": {**batch1, "rows": b1}}
 
 

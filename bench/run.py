@@ -3,8 +3,11 @@
 Writes bench/results/<date>-<cpu>-<name>.json and .md (one file per machine and date). Exit 1 if a decoding invariant is broken (targets that are
 missed are reported, not failed: they are measurements).
 
-Presets: `full` (the embedded SmolLM2-135M-Instruct, about 45 minutes on 2 cores) and `tiny` (the test suite's
-tiny verifier, minimal sizes: keeps the harness working, numbers meaningless).
+Presets: `full` (the embedded SmolLM2-135M-Instruct, about 45 minutes on 2 cores), `tiny` (the test suite's
+tiny verifier, minimal sizes, every comparison repeated twice: numbers meaningless) and `check` (what the test suite
+runs to prove the harness: every row and check once, the smallest sizes that still exercise each code path, one
+repeat, one k, the batched decoding rows from the batch-1 pair's engines, the realistic-length training row from the
+comparison's own pair; numbers meaningless, min = median = max).
 """
 
 from __future__ import annotations
@@ -36,6 +39,18 @@ PRESETS = {
         "changed": "training.lr=0.0015", "repeats": 2, "ks": [1, 2], "decode_prompts": 4, "max_tokens": 16,
         "warm_steps": 1, "realistic_epochs": 2, "datapass_prompts": None,
         "batch1": {"ks": [1], "prompts": 4, "max_tokens": 8, "repeats": 2, "warmup": 1},
+    },
+    # every row once: one repeat (a spread of one), one k, the batched rows on the batch-1 pair's engines, the
+    # realistic-length pair at the run's own epoch (the comparison's first pair, no training of its own)
+    "check": {
+        "sets": ["data.max_samples=32", "data.max_seq_len=128", "data.max_new_tokens=8",
+                 "draft.draft_vocab_size=256", "training.epochs=1", "training.total_seq_len=256",
+                 "smoke.enabled=false"],
+        "changed": "training.lr=0.0015", "repeats": 1, "ks": [1], "decode_prompts": 4, "max_tokens": 16,
+        "warm_steps": 1, "realistic_epochs": 1, "datapass_prompts": None, "batched_in_pair": True,
+        # decoding as `tiny`'s (a second's work): fewer tokens would leave the batch-1 check (speedup <= acceptance
+        # length, no tolerance) to a pass of a tenth of a second
+        "batch1": {"ks": [1], "prompts": 4, "max_tokens": 8, "repeats": 1, "warmup": 1},
     },
 }
 TARGETS = {"data_pass": 0.9, "extraction": 0.9, "training": 0.97}
@@ -116,7 +131,8 @@ def run(preset: str, verifier: str | None, draft: str | None, home: Path, reuse:
     prompts = load_prompts(Path(data_dir) / "eval.jsonl", p["decode_prompts"])
     dec = measure.decoding(verifier_path, draft or report["draft_dir"], prompts, p["ks"], p["max_tokens"],
                            p["batch1"], max_model_len=cfg.data.max_seq_len + max(p["max_tokens"],
-                                                                                 p["batch1"]["max_tokens"]))
+                                                                                 p["batch1"]["max_tokens"]),
+                           batched_in_pair=p.get("batched_in_pair", False))
     return {
         "preset": preset,
         "date": datetime.date.today().isoformat(),
@@ -217,6 +233,9 @@ def render(r: dict) -> str:
     dp, ex, tr, tl = r["data_pass"], r["extraction"], r["training"], r["training_realistic"]
     o, d, s = r["orchestration"], r["decoding"], r["storage"]
     n = r["settings"]["repeats"]
+    reps = "repeat" if n == 1 else "repeats"
+    tl_epochs = f"{tl['epochs']} epoch" + ("" if tl["epochs"] == 1 else "s")
+    tl_reused = f"; {tl['reused']}" if tl.get("reused") else ""
     hit = lambda ratio, target: "yes" if ratio >= target else "**no**"  # noqa: E731
 
     def row(name, x, limit, target=None):
@@ -232,7 +251,7 @@ def render(r: dict) -> str:
         f"{r['verifier']['hidden_size']}); run settings: {' '.join(r['settings']['sets'])}; "
         f"whole bench {r['bench_seconds'] / 60:.1f} min",
         "",
-        f"Every figure is min / median / max of {n} repeats, the two sides interleaved (A B A B ...); a ratio is "
+        f"Every figure is min / median / max of {n} {reps}, the two sides interleaved (A B A B ...); a ratio is "
         "taken per pair (eaglet / limit of the same repeat); targets are checked on the median ratio.",
         "",
         "| steady state, tokens/s | eaglet | limit | ratio | target | met |",
@@ -247,8 +266,8 @@ def render(r: dict) -> str:
         "|---|---:|---:|---:|---:|---|",
         row("data pass (engine start + pass)", dp["whole"], "bare vLLM server"),
         row(f"training, {tr['epochs']} epoch ({tr['tokens']} tokens)", tr["whole"], "speculators direct"),
-        row(f"training, {tl['epochs']} epochs (one pair; {tl['tokens']} tokens)", tl["whole"], "speculators direct"),
-        row(f"training, {tl['epochs']} epochs, steady state (one pair)", tl["steady"], "speculators direct"),
+        row(f"training, {tl_epochs} (one pair; {tl['tokens']} tokens{tl_reused})", tl["whole"], "speculators direct"),
+        row(f"training, {tl_epochs}, steady state (one pair{tl_reused})", tl["steady"], "speculators direct"),
         "",
         f"start-up seconds: data pass eaglet {_s(dp['startup']['pipeline'], '.1f')}, bare "
         f"{_s(dp['startup']['limit'], '.1f')}; training eaglet {_s(tr['startup']['pipeline'], '.1f')}, direct "
@@ -265,14 +284,16 @@ def render(r: dict) -> str:
         "| orchestration (`eaglet run`, wall) | seconds | vs cold |",
         "|---|---:|---:|",
         f"| cold (empty store) | {o['cold_s']:.1f} | 1.000 |",
-        f"| fully cached rerun ({n} repeats) | {_s(o['cached_spread_s'], '.1f')} | {o['cached_over_cold']:.3f} |",
+        f"| fully cached rerun ({n} {reps}) | {_s(o['cached_spread_s'], '.1f')} | {o['cached_over_cold']:.3f} |",
         f"| training-only change (`{o['training_change']}`) | {o['training_change_s']:.1f} | "
         f"{o['training_change_over_cold']:.3f} |",
         f"| time outside tasks: cold / cached | {o['overhead_s']['cold']:.1f} / "
         f"{_s(o['overhead_s']['cached'], '.1f')} | |",
         "",
         f"| decoding, batched (vLLM, {d['dtype']}, greedy, {d['prompts']} held-out prompts at once x "
-        f"{d['max_tokens']} tokens, one pass) | mean acc. length | per position | tokens/s | speedup | same tokens |",
+        f"{d['max_tokens']} tokens, one pass"
+        + ("; on the batch-1 pair's two engines" if d.get("batched_engines", "").startswith("the batch-1") else "")
+        + ") | mean acc. length | per position | tokens/s | speedup | same tokens |",
         "|---|---:|---|---:|---:|---|",
         f"| no draft | 1 | | {d['baseline_tokens_per_s_batched']:.0f} | 1.000 | |",
     ]

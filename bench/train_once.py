@@ -52,7 +52,8 @@ if __name__ == "__main__":
         def once() -> tuple[float, float]:
             info, cfg = VerifierInfo.model_validate(spec["verifier"]), RunConfig.model_validate(spec["cfg"])
             t0 = time.perf_counter()
-            stages.train_draft.with_options(refresh_cache=True)(info, spec["states"], spec["vocab"], None, cfg)  # from scratch
+            stages.train_draft.with_options(refresh_cache=True)(info, spec["states"], spec["vocab"], None,  # scratch
+                                                                spec["data"], cfg)
             return t0, time.perf_counter()
 
         t0, t1 = once()
