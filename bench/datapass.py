@@ -35,7 +35,7 @@ def bare_argv(verifier: str, name: str, max_model_len: int, host: str, port: int
 def start_bare(verifier: str, max_model_len: int, log_file: Path, timeout: float = 1800):
     """The bare server, started as eaglet starts its capture server (same guard process, same environment)."""
     from eaglet.capture.engine import Engine, _healthy, free_port, stop_engine
-    from eaglet.vllm_run import vllm_env
+    from eaglet.vllm import vllm_env
 
     host, port, name = "127.0.0.1", free_port(), "bare"
     t0 = time.perf_counter()
@@ -157,7 +157,7 @@ def pipeline_pass(home: Path, r: int, info, data_dir: str, cfg, clock: CaptureCl
     engine = t.load_verifier(info, cfg)
     t1 = time.perf_counter()
     try:
-        states = t.generate_and_capture.with_options(refresh_cache=True)(info, data_dir, engine, cfg)
+        states = t.generate_and_capture.with_options(refresh_cache=True)(info, data_dir, engine, None, cfg)
         t2 = time.perf_counter()
     finally:
         t.stop_verifier(engine)
@@ -193,7 +193,7 @@ def pipeline_pass(home: Path, r: int, info, data_dir: str, cfg, clock: CaptureCl
 def compare(home: Path, verifier_path: str, data_dir: str, cfg, repeats: int) -> dict:
     """Runs inside a Prefect flow (the tasks need a run context)."""
     from eaglet.verifier import resolve_verifier
-    from tasks.stages import engine_max_model_len
+    from eaglet.capture.engine import engine_max_model_len
 
     info = resolve_verifier(verifier_path, cfg.verifier.aux_layer_ids, False)
     clock = CaptureClock()

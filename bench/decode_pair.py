@@ -1,5 +1,5 @@
 """Batch-1 decoding, the verifier alone against the verifier with the draft, in one process so the two sides can be
-interleaved: `python -m bench.decode_pair JOB.json` (a vLLM child process, as eaglet.vllm_worker).
+interleaved: `python -m bench.decode_pair JOB.json` (a vLLM child process speaking eaglet.vllm.worker's job protocol).
 
 Both engines are built first (same settings; prefix caching off, so every pass computes its prompts), each is
 warmed up with full-length batch-1 generations, then the passes alternate: alone, draft, alone, draft, ... Each
@@ -7,15 +7,12 @@ pass generates the prompts one at a time; the draft engine's spec-decode counter
 passes, so every speedup has the acceptance length of the very tokens it timed.
 
 With job["batched"] ({"conversations", "max_tokens"}; the `check` preset), the same two engines then also give
-the batched rows (all conversations at once, one pass each, alone then draft), in the shape of an eaglet.vllm_worker
+the batched rows (all conversations at once, one pass each, alone then draft), in the shape of an eaglet.vllm.worker
 decode result, instead of one engine per configuration started for them.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
 
 
@@ -30,38 +27,34 @@ def _engine(job: dict, draft: bool):
 
 
 def batched(b: dict, alone, spec) -> dict:
-    """All of b["conversations"] in one generate call on each engine (alone, then draft): what eaglet.vllm_worker's
+    """All of b["conversations"] in one generate call on each engine (alone, then draft): what eaglet.vllm.worker's
     decode job returns (token_ids per conversation, seconds, tokens_per_s; "spec" counters with the draft)."""
     from vllm import SamplingParams
 
-    from eaglet.vllm_worker import _counters
+    from eaglet.vllm.worker import spec_counters, spec_delta
 
     params = SamplingParams(temperature=0.0, max_tokens=b["max_tokens"], seed=0)
     out = {}
     for name, llm in (("alone", alone), ("draft", spec)):
         llm.chat(b["conversations"][:1], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # as the job
-        before = _counters(llm)
+        before = spec_counters(llm)
         t0 = time.perf_counter()
         outputs = llm.chat(b["conversations"], params, use_tqdm=False)
         seconds = time.perf_counter() - t0
-        after = _counters(llm)
+        after = spec_counters(llm)
         ids = [[list(c.token_ids) for c in o.outputs] for o in outputs]
         n = sum(len(t) for per in ids for t in per)
         out[name] = {"token_ids": ids, "seconds": seconds, "output_tokens": n, "tokens_per_s": n / seconds}
         if llm is spec:
-            out[name]["spec"] = {"drafts": after["drafts"] - before["drafts"],
-                                 "accepted": after["accepted"] - before["accepted"],
-                                 "accepted_per_pos": [x - y for x, y in zip(after["per_pos"], before["per_pos"] or
-                                                                            [0] * len(after["per_pos"]))]}
+            out[name]["spec"] = spec_delta(before, after)
     return out
 
 
-def main() -> None:
+def run(job: dict) -> dict:
     from vllm import SamplingParams
 
-    from eaglet.vllm_worker import _counters
+    from eaglet.vllm.worker import spec_counters, spec_delta
 
-    job = json.load(open(sys.argv[1]))
     convs = job["conversations"]
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], seed=0)
     t = time.perf_counter()
@@ -75,19 +68,17 @@ def main() -> None:
             llm.chat([conv], params, use_tqdm=False)
 
     def one_pass(llm):
-        before = _counters(llm)
+        before = spec_counters(llm)
         t0, ids = time.perf_counter(), []
         for conv in convs:
             ids += [list(c.token_ids) for o in llm.chat([conv], params, use_tqdm=False) for c in o.outputs]
         seconds = time.perf_counter() - t0
-        after = _counters(llm)
+        after = spec_counters(llm)
         n = sum(len(x) for x in ids)
         out = {"seconds": seconds, "tokens": n, "tokens_per_s": n / seconds, "token_ids": ids}
         if llm is spec:
-            out["drafts"] = after["drafts"] - before["drafts"]
-            out["accepted"] = after["accepted"] - before["accepted"]
-            out["accepted_per_pos"] = [a - b for a, b in zip(after["per_pos"], before["per_pos"] or
-                                                             [0] * len(after["per_pos"]))]
+            delta = spec_delta(before, after)
+            out.update(drafts=delta["drafts"], accepted=delta["accepted"], accepted_per_pos=delta["accepted_per_pos"])
         return out
 
     passes = []
@@ -96,11 +87,10 @@ def main() -> None:
     result = {"load_seconds": {"alone": alone_load, "draft": spec_load}, "passes": passes}
     if job.get("batched"):
         result["batched"] = batched(job["batched"], alone, spec)
-    tmp = job["out"] + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, job["out"])
+    return result
 
 
 if __name__ == "__main__":  # vLLM spawns worker processes: the guard is required
-    main()
+    from eaglet.vllm.worker import serve
+
+    serve(run)

@@ -251,7 +251,7 @@ def decoding(verifier_path: str, draft: str, prompts: list, ks: list[int], max_t
     batch1["prompts"] prompts one at a time, alternating alone / draft, batch1["repeats"] of each.
     batched_in_pair (the `check` preset, ks == batch1["ks"] == [k]): the batched rows from the batch-1 pair's two
     engines (bench.decode_pair's "batched"), after its passes, instead of two more engines started for them."""
-    from eaglet.vllm_run import run_vllm_job
+    from eaglet.vllm import run_job
 
     if batched_in_pair and not (len(ks) == 1 and list(ks) == list(batch1["ks"])):
         raise ValueError(f"batched_in_pair needs one k, the batch-1 pair's: ks {ks}, batch 1 {batch1['ks']}")
@@ -259,8 +259,8 @@ def decoding(verifier_path: str, draft: str, prompts: list, ks: list[int], max_t
            "max_model_len": max_model_len, "temperature": 0.0, "warmup": True}
     rows, base = [], None
     if not batched_in_pair:
-        base = run_vllm_job(job)
-        rows = [_batched_row(k, run_vllm_job(dict(job, draft=draft, k=k)), base) for k in ks]
+        base = run_job(job)
+        rows = [_batched_row(k, run_job(dict(job, draft=draft, k=k)), base) for k in ks]
     b1 = []
     for k in batch1["ks"]:
         res = _decode_pair({"verifier": verifier_path, "draft": draft, "k": k, "dtype": dtype,
@@ -294,26 +294,10 @@ def decoding(verifier_path: str, draft: str, prompts: list, ks: list[int], max_t
 
 
 def _decode_pair(job: dict) -> dict:
-    """bench.decode_pair in a child process of its own session (vLLM's engine processes stop with it)."""
-    import tempfile
+    """bench.decode_pair in a vLLM child process (eaglet.vllm.run_job: its own session, stopped with it)."""
+    from eaglet.vllm import run_job
 
-    from eaglet.vllm_run import _stop_group, vllm_env
-
-    with tempfile.TemporaryDirectory(prefix="eaglet-bench-pair-") as tmp:
-        job = dict(job, out=str(Path(tmp) / "result.json"))
-        (Path(tmp) / "job.json").write_text(json.dumps(job))
-        log = open(Path(tmp) / "log", "w+")
-        proc = subprocess.Popen([sys.executable, "-m", "bench.decode_pair", str(Path(tmp) / "job.json")], cwd=ROOT,
-                                stdout=log, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True)
-        try:
-            rc = proc.wait()
-        except BaseException:
-            _stop_group(proc)
-            raise
-        if rc != 0 or not Path(job["out"]).is_file():
-            log.seek(0)
-            raise RuntimeError(f"batch-1 decoding pair failed (exit {rc}):\n" + log.read()[-4000:])
-        return json.loads(Path(job["out"]).read_text())
+    return run_job(job, module="bench.decode_pair")
 
 
 BATCHED_TIMING_NOISE = 0.05  # the batched rows are one pass each, not repeated or interleaved

@@ -55,7 +55,7 @@ class StepClock:
         self._span(cli, "main", "speculators main")
         if pipeline:
             import eaglet.store as store
-            import eaglet.train as train
+            import eaglet.train.draft as train  # the stage's own bindings of what it calls
 
             self._span(train, "train_draft", "eaglet train_draft")
             self._span(train, "write_final_draft", "final bf16 draft")

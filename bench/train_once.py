@@ -27,7 +27,8 @@ if __name__ == "__main__":
         import speculators.train.cli as cli
         from speculators.train.config import TrainConfig
 
-        from eaglet.train import cpu_patches, on_accelerator
+        from eaglet.devices import on_accelerator
+        from eaglet.train.cpu import cpu_patches
 
         clock.install()
         cfg = TrainConfig.resolve(spec["argv"])

@@ -212,7 +212,8 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     from eaglet.capture.engine import capture_layers, engine_dtype, start_engine, stop_engine
     from eaglet.config import load_config
     from eaglet.verifier import resolve_verifier
-    from tasks.stages import embedded_key, started_engine_max_model_len
+    from eaglet.capture.engine import started_engine_max_model_len
+    from tasks.keys import embedded_key
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_config(args.config, args.set)

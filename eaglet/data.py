@@ -210,3 +210,14 @@ def tokenize_conversations(tokenizer, rows: list[list[dict]], max_seq_len: int) 
     if not samples:
         raise EagletError("no training sample keeps an assistant token after truncation; raise data.max_seq_len")
     return samples, freq
+
+
+def split_run_rows(data_file: str | Path, eval_path: str | None, data_path: str | None, eval_fraction: float, seed: int,
+                   max_samples: int | None) -> tuple[list, list, dict, str | None]:
+    """A run's rows: (training, held out, counts, the fixed held-out file or None). held_out_file chooses the file
+    (data.eval_path, or the shipped data/eval.jsonl for a file that holds a shipped held-out prompt); otherwise the
+    digest split holds out eval_fraction."""
+    rows = read_conversations(data_file)
+    held_file = held_out_file(rows, eval_path, data_path)
+    held = read_conversations(held_file) if held_file else None
+    return (*split_conversations(rows, eval_fraction, seed, max_samples, held), held_file)

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from eaglet.data import prompt_part, read_conversations
 from eaglet.errors import EagletError
-from eaglet.vllm_run import run_vllm_job
+from eaglet.vllm import run_job
 
 BASELINE_FILE = "baseline.json"
 
@@ -75,6 +75,11 @@ def machine_kind() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "gpus": gpus, "cuda_visible_devices": visible}
 
 
+def smoke_max_model_len(cfg) -> int:
+    """The longest sequence the smoke test needs: a held-out prompt with smoke.max_tokens of answer."""
+    return cfg.data.max_seq_len + cfg.smoke.max_tokens
+
+
 def load_prompts(prompts_file: str | Path, num_prompts: int | None = None) -> list[list[dict]]:
     convs = [prompt_part(m) for m in read_conversations(prompts_file)]
     return convs[:num_prompts] if num_prompts else convs
@@ -91,7 +96,7 @@ def measure_baseline(verifier: str, prompts: list[list[dict]], out: Path, max_to
     """The verifier alone on the prompts: greedy token ids, tokens/s, its engine's start; written to
     out/baseline.json with when and on which machine it was measured."""
     check_load_format(load_format)
-    return write_baseline(out, run_vllm_job(_job(verifier, prompts, max_tokens, max_model_len, dtype, load_format)))
+    return write_baseline(out, run_job(_job(verifier, prompts, max_tokens, max_model_len, dtype, load_format)))
 
 
 def write_baseline(out: Path, base: dict, engine: str = "offline") -> dict:
@@ -128,10 +133,10 @@ def smoke_test(
     job = _job(verifier, prompts, max_tokens, max_model_len, dtype, load_format)
     reused = baseline is not None
     if baseline is None:
-        baseline = _baseline(run_vllm_job(job))
+        baseline = _baseline(run_job(job))
     elif len(baseline["token_ids"]) != len(prompts):
         raise EagletError(f"the baseline has {len(baseline['token_ids'])} prompts, the smoke-load {len(prompts)}")
-    spec = run_vllm_job(dict(job, draft=str(draft), k=k))
+    spec = run_job(dict(job, draft=str(draft), k=k))
     counts = spec["spec"]
     drafts = counts["drafts"]
     per_pos = [a / drafts if drafts else 0.0 for a in counts["accepted_per_pos"]]

@@ -144,3 +144,18 @@ def resolve_verifier(path: str | Path, aux_layer_ids: list[int] | None = None, t
         trust_remote_code=trust_remote_code,
         nested_text_config=text is not cfg,
     )
+
+
+def check_run(info: VerifierInfo, cfg) -> None:
+    """Every check of a run's parameters that needs the verifier's shape (or the devices), before weights load:
+    the draft vocabulary, a warm start's directory, a reference draft, and a served endpoint (which must serve this
+    verifier with the run's layers; eaglet.capture.engine.attach)."""
+    from eaglet.convert import check_reference, read_reference
+    from eaglet.train import check_init_dir
+    from eaglet.vocab import check_draft_vocab_size
+
+    check_draft_vocab_size(cfg.draft.draft_vocab_size, info.vocab_size)
+    if cfg.training.init not in ("scratch", "previous"):
+        check_init_dir(cfg.training.init)
+    if cfg.draft.like:
+        check_reference(read_reference(cfg.draft.like), info.hidden_size, info.vocab_size, cfg.draft.like)

@@ -55,3 +55,16 @@ def _save(d2t, t2d, token_freq: dict[int, int], out: Path) -> dict:
     selected = set((np.arange(d2t.shape[0]) + d2t.numpy()).tolist())
     covered = sum(c for t, c in token_freq.items() if t in selected)
     return {"draft_vocab_size": int(d2t.shape[0]), "coverage": covered / total if total else 0.0}
+
+
+def build_for_run(states_dir: Path, draft_vocab_size: int, verifier_vocab_size: int, out: Path,
+                  init: Path | None = None) -> dict:
+    """A run's draft vocabulary in `out`: the most frequent tokens of its captured rows, or, for a warm start, the
+    mapping of the draft it continues (its weights are indexed by it), with this run's coverage."""
+    from eaglet.capture.shards import token_freq
+    from eaglet.train import warm_start_weights
+
+    freq = token_freq(states_dir)
+    if init is not None:
+        return kept_vocab_mapping(warm_start_weights(init), freq, draft_vocab_size, out)
+    return build_vocab_mapping(freq, draft_vocab_size, verifier_vocab_size, out)

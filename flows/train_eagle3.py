@@ -1,4 +1,5 @@
-"""The `train-eagle3` flow: verifier in, vLLM-loadable EAGLE-3 draft out. It only composes tasks."""
+"""The `train-eagle3` flow: verifier in, vLLM-loadable EAGLE-3 draft out. It only composes tasks (tasks.stages):
+each returns a reference to an artifact in the store, and the next task takes it."""
 
 from __future__ import annotations
 
@@ -9,15 +10,15 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
+from eaglet.capture import run_backend
+from eaglet.capture.engine import baseline_engine_fits
 from eaglet.config import RunConfig
 from eaglet.data import DEFAULT_PROMPTS
 from eaglet.errors import EagletError
-from eaglet.report import write_outputs
-from eaglet.store import built_by_this_process_since, in_use, is_published
+from eaglet.store import in_use, is_published
 from tasks import stages
-from tasks.report import publish_report
-
-HF_DATA_STAGES = ("regenerate-responses", "extract-hidden-states")  # each loads the verifier when it builds
+from tasks.keys import comparison_key
+from tasks.report import report_and_promote
 
 
 def _run(timings: dict, held: contextlib.ExitStack, name: str, task, *args):
@@ -36,38 +37,37 @@ def _run(timings: dict, held: contextlib.ExitStack, name: str, task, *args):
 @flow(name="train-eagle3")  # no log_prints: dill (datasets hashing) prints disassembly through print()
 def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> dict:
     """Train an EAGLE-3 draft for a verifier and check it in vLLM."""
-    log = get_run_logger()
     started = time.time()
     t: dict = {}
-    data_file = params.data.path or str(DEFAULT_PROMPTS)
     with contextlib.ExitStack() as held:
         run = functools.partial(_run, t, held)
 
         # Cheap checks before anything loads weights (the embedded verifier's conversion does).
         if params.draft.like:
             params = run("read-reference", stages.read_reference, params)
-        data_dir = run("prepare-data", stages.prepare_data, data_file, params)
+        data_dir = run("prepare-data", stages.prepare_data, params.data.path or str(DEFAULT_PROMPTS), params)
         verifier_path = params.verifier.path or run("convert-embedded-verifier", stages.convert_embedded_verifier,
                                                     params.verifier.aux_layer_ids, params.draft.draft_vocab_size)
         verifier = run("resolve-verifier", stages.resolve_verifier, verifier_path, params)
 
-        conversations_dir = data_dir
-        if stages.extraction_backend(params) == "vllm":
-            # One verifier load for the rows the store does not hold (none when every row is known or an endpoint
-            # serves them); the engine is stopped before training needs the memory, or when the run fails.
-            engine = None
-            if stages.rows_to_compute(verifier, data_dir, params):
-                engine = run("load-verifier", stages.load_verifier, verifier, params)
-                held.callback(stages.stop_verifier, engine)
-            states_dir = run("generate-and-capture", stages.generate_and_capture, verifier, data_dir, engine, params)
-            if stages.baseline_engine_fits(engine, params):  # the smoke test's baseline while the engine is up
-                run("baseline-from-capture-engine", stages.baseline_from_capture_engine, verifier, data_dir, engine,
-                    params)
-            stages.stop_verifier(engine)
+        artifacts = {"data": data_dir}
+        if run_backend(params) == "vllm":
+            plan = run("plan-capture", stages.plan_capture, verifier, data_dir, params)
+            with contextlib.ExitStack() as engine_up:  # the one place the engine stops: before training, or on failure
+                engine = None
+                if plan["to_compute"]:  # one verifier load, only for rows the store does not hold
+                    engine = run("load-verifier", stages.load_verifier, verifier, params)
+                    engine_up.callback(stages.stop_verifier, engine)
+                states_dir = run("generate-and-capture", stages.generate_and_capture, verifier, data_dir, engine,
+                                 plan["plan"], params)
+                if baseline_engine_fits(engine, params):  # the smoke test's baseline while the engine is up
+                    run("baseline-from-capture-engine", stages.baseline_from_capture_engine, verifier, data_dir,
+                        engine, params)
         else:
+            conversations_dir = data_dir
             if params.data.regenerate:
-                conversations_dir = run("regenerate-responses", stages.regenerate_responses, verifier, data_dir,
-                                        params)
+                conversations_dir = artifacts["responses"] = run("regenerate-responses", stages.regenerate_responses,
+                                                                 verifier, data_dir, params)
             states_dir = run("extract-hidden-states", stages.extract_hidden_states, verifier, conversations_dir,
                              params)
         warm_start = None
@@ -80,26 +80,13 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
         run("validate-draft", stages.validate_draft, verifier, draft_dir)
         smoke = None
         if params.smoke.enabled:
-            baseline_dir = run("verifier-baseline", stages.verifier_baseline, verifier, data_dir, params)
-            smoke = run("smoke-test", stages.smoke_test, verifier, draft_dir, data_dir, baseline_dir, params)
+            artifacts["baseline"] = run("verifier-baseline", stages.verifier_baseline, verifier, data_dir, params)
+            smoke = run("smoke-test", stages.smoke_test, verifier, draft_dir, data_dir, artifacts["baseline"], params)
 
-        loaded = "load-verifier" in t and not params.verifier.endpoint
-        verifier_loads = int(loaded) + sum(1 for name in HF_DATA_STAGES
-                                           if name in t and built_by_this_process_since(t[name]["result"], started))
-        artifacts = {"data": data_dir, "hidden_states": states_dir, "vocab": vocab_dir, "checkpoint": ckpt_dir,
-                     "draft": draft_dir}
-        if conversations_dir != data_dir:
-            artifacts["responses"] = conversations_dir
-        if params.smoke.enabled:
-            artifacts["baseline"] = baseline_dir
-        smoke_loads = sum(1 for name in ("verifier-baseline", "smoke-test")  # one engine each, when it ran
-                          if name in t and t[name]["state"] != "Cached")
-        report = write_outputs(Path(output_dir), params, verifier, t, artifacts, verifier_loads, smoke,
-                               engine_loads={"data": verifier_loads, "smoke": smoke_loads},
-                               comparison=stages.comparison_key(verifier, data_dir, params), warm_start=warm_start)
-        publish_report(str(Path(output_dir).resolve()))  # the report, tables, plots and links in the UI
-    log.info(f"draft written to {report['draft_dir']}; report at {Path(output_dir) / 'report.md'}; "
-             f"{report['promotion']['reason']}")
+        artifacts |= {"hidden_states": states_dir, "vocab": vocab_dir, "checkpoint": ckpt_dir, "draft": draft_dir}
+        report = report_and_promote(str(Path(output_dir).resolve()), params, verifier, t, artifacts, smoke,
+                                    comparison_key(verifier, data_dir, params), warm_start, started)
+    get_run_logger().info(f"draft written to {report['draft_dir']}; report at {Path(output_dir) / 'report.md'}")
     if report["gate_failure"]:  # after the report: a failed CI job still shows what the draft reached
         raise EagletError(f"quality gate: {report['gate_failure']}")
     return report

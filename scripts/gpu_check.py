@@ -2,7 +2,7 @@
 minutes on one GPU. `bash scripts/gpu_check.sh [OUT_DIR]`; the summary is OUT_DIR/summary.json.
 
   1. environment: torch + CUDA, GPUs, vLLM, speculators (anything missing is named; exit 2)
-  2. the tiny test verifier (tests/tiny_verifier.py) in one vLLM capture engine (extract_hidden_states + the
+  2. the tiny test verifier (eaglet/testing/tiny_verifier.py) in one vLLM capture engine (extract_hidden_states + the
      hidden-states connector): one pass answers the prompts and captures prompt + answer states
   3. the answered conversations captured prefill-only by the same engine and by the hf backend (transformers on
      cuda), compared on the same tokens: per-token cosine and relative error, file layout, token ids
@@ -88,7 +88,7 @@ def main() -> int:
     ap.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts of the smoke-load")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens answered per prompt (the pass, the smoke-load)")
     ap.add_argument("--epochs", type=int, default=2, help="training epochs")
-    ap.add_argument("--verifier", help="a tiny verifier already made by tests/tiny_verifier.py (default: make one)")
+    ap.add_argument("--verifier", help="a tiny verifier already made by eaglet/testing/tiny_verifier.py (default: make one)")
     args = ap.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -111,10 +111,11 @@ def main() -> int:
     from eaglet.capture.shards import token_freq
     from eaglet.capture.vllm import generate_and_capture
     from eaglet.smoke import load_prompts, smoke_test
-    from eaglet.train import last_checkpoint, speculators_argv, train_draft, visible_accelerators, write_final_draft
+    from eaglet.devices import visible_accelerators
+    from eaglet.train import last_checkpoint, speculators_argv, train_draft, write_final_draft
     from eaglet.verifier import resolve_verifier
     from eaglet.vocab import build_vocab_mapping
-    from tests.tiny_verifier import make_tiny_verifier
+    from eaglet.testing.tiny_verifier import make_tiny_verifier
 
     verifier = Path(args.verifier).resolve() if args.verifier else step(
         "tiny verifier", lambda: make_tiny_verifier(out / "verifier", DEFAULT_PROMPTS))

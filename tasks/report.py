@@ -1,5 +1,6 @@
-"""What a run shows in the Prefect UI: the report (markdown, plots inline), acceptance per position (table),
-and links to the flat draft and the plots. Written by every run, cached or not, from DIR/report.json."""
+"""The run's last task: the report, the quality gate and the promotion (eaglet.report), then what the Prefect UI
+shows of them: the report (markdown, plots inline), acceptance per position and the draft history (tables), links
+to the flat draft and the plots. It runs on every run, cached or not."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ import json
 import re
 from pathlib import Path
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
-from eaglet.history import history, when
+from eaglet.config import RunConfig
+from eaglet.report import write_outputs
+from eaglet.report.history import history, when
+from eaglet.report.loads import engine_loads
+from eaglet.verifier import VerifierInfo
 
 
 def _inline_images(markdown: str, out: Path) -> str:
@@ -24,9 +29,24 @@ def _inline_images(markdown: str, out: Path) -> str:
     return re.sub(r"!\[([^\]]*)\]\(([^):]+\.png)\)", inline, markdown)
 
 
-@task(name="publish-report")
+@task(name="report-and-promote")
+def report_and_promote(output_dir: str, params: RunConfig, verifier: VerifierInfo, tasks: dict,
+                       artifacts: dict[str, str], smoke: dict | None, comparison: str, warm_start: dict | None,
+                       started: float) -> dict:
+    """DIR/report.{json,md}, plots, DIR/drafts/<key> and DIR/current moved to the new draft if it passes the gate
+    and beats the current one on the same held-out prompts (eaglet.report.history). tasks: name -> {"state",
+    "seconds", "started", "result"} of every task the flow ran."""
+    loads = engine_loads(tasks, params.verifier.endpoint, started)
+    report = write_outputs(Path(output_dir), params, verifier, tasks, artifacts, loads["data"], smoke,
+                           engine_loads=loads, comparison=comparison, warm_start=warm_start)
+    publish_report(str(Path(output_dir).resolve()))
+    get_run_logger().info(f"verifier loads {loads['data']}, smoke engines {loads['smoke']}; "
+                          f"{report['promotion']['reason']}")
+    return report
+
+
 def publish_report(output_dir: str) -> list[str]:
-    """Returns the keys of the artifacts it created."""
+    """The report's UI artifacts; returns the keys of the artifacts it created."""
     out = Path(output_dir)
     report = json.loads((out / "report.json").read_text())
     keys = ["eaglet-report"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from deployments.stack import prefect_defaults
-from tests.tiny_verifier import make_tiny_verifier
+from eaglet.testing.tiny_verifier import make_tiny_verifier
 
 # Prefect's temporary API server logs "Stopping ..." at interpreter exit, after pytest closed its streams.
 logging.raiseExceptions = False

@@ -24,7 +24,7 @@ from eaglet.capture.hf import extract_hidden_states
 from eaglet.capture.vllm import _complete, _load, generate_and_capture
 from eaglet.errors import EagletError
 from eaglet.store import file_sha256
-from eaglet.train import visible_accelerators
+from eaglet.devices import visible_accelerators
 from eaglet.verifier import resolve_verifier
 from tests.conftest import ROOT, TINY_RUN, run_cli, write_echo_conversations
 
@@ -125,7 +125,7 @@ def test_capture_engine_samples_as_a_plain_engine(engine, tiny_verifier, convers
     from eaglet.capture.engine import _healthy, server_argv
     from eaglet.capture.vllm import chat_prompt_ids
     from eaglet.data import prompt_part, read_conversations
-    from eaglet.vllm_run import vllm_env
+    from eaglet.vllm import vllm_env
     from transformers import AutoTokenizer
 
     assert "eaglet.capture.scheduler.CaptureScheduler" in server_argv("v", "n", [1], tmp_path, 64, "h", 1)

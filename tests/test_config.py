@@ -83,7 +83,7 @@ def test_an_engine_eaglet_starts_can_answer_the_smoke_baseline_when_training_ans
     """With data.max_new_tokens below smoke.max_tokens, the capture engine used to be too short for the held-out
     answers, and the smoke test loaded the verifier once more (a run of 2,081 prompts x 48 tokens, 2026-12-02)."""
     from eaglet.capture.engine import Engine
-    from tasks.stages import baseline_engine_fits, engine_max_model_len, started_engine_max_model_len
+    from eaglet.capture.engine import baseline_engine_fits, engine_max_model_len, started_engine_max_model_len
 
     sets = ["data.max_new_tokens=48", "smoke.max_tokens=128", "smoke.dtype=float32",
             "extraction.engine_dtype=float32"]

@@ -12,7 +12,10 @@ from eaglet.config import RunConfig
 from eaglet.data import write_conversations
 from eaglet.train import cpu_dtype
 from eaglet.verifier import VerifierInfo
-from tasks import stages
+from eaglet.capture import run_backend
+from eaglet.capture.engine import capture_engine_dtype
+from eaglet.capture.vllm import run_capture_settings
+from tasks import keys as key_fns
 
 # Parameters that reach the artifacts another way, or change how they are computed and not what they are.
 NOT_IN_KEYS = {
@@ -43,26 +46,26 @@ NOT_IN_KEYS = {
 def _chain(cfg: RunConfig, verifier: VerifierInfo, data_file: str, init: str | None = None) -> dict[str, str]:
     """Every artifact key of a run, each built from its upstream artifact's key as the flow does (the data
     artifact is written for real, beside the data file: the smoke keys read its held-out prompts)."""
-    keys = {"data": stages.data_key(data_file, cfg)}
+    keys = {"data": key_fns.data_key(data_file, cfg)}
     data_dir = Path(data_file).parent / keys["data"]
     if not data_dir.is_dir():
         data_dir.mkdir()
-        write_conversations(data_dir / "eval.jsonl", stages._split(data_file, cfg)[1])
+        write_conversations(data_dir / "eval.jsonl", key_fns.run_rows(data_file, cfg)[1])
     keys["data"] = str(data_dir)
-    if stages.extraction_backend(cfg) == "vllm":  # one pass: responses and states in one artifact
-        keys["hidden_states"] = stages.capture_key(verifier, keys["data"], cfg)
+    if run_backend(cfg) == "vllm":  # one pass: responses and states in one artifact
+        keys["hidden_states"] = key_fns.capture_key(verifier, keys["data"], cfg)
         # ... assembled from row artifacts, each keyed on its own: the key one request's row would have
-        keys["row"] = row_key(verifier.fingerprint, stages.capture_settings(verifier, cfg), {"prompt_ids": [1, 2]})
+        keys["row"] = row_key(verifier.fingerprint, run_capture_settings(verifier, cfg), {"prompt_ids": [1, 2]})
     else:
         conversations = keys["data"]
         if cfg.data.regenerate:
-            keys["responses"] = conversations = stages.regen_key(verifier, keys["data"], cfg)
-        keys["hidden_states"] = stages.extraction_key(verifier, conversations, cfg)
-    keys["vocab"] = stages.vocab_key(verifier, keys["hidden_states"], init, cfg)
-    keys["draft_ckpt"] = stages.training_key(verifier, keys["hidden_states"], keys["vocab"], init, cfg)
-    keys["draft_flat"] = stages.export_key(verifier, keys["draft_ckpt"], cfg)
-    keys["baseline"] = stages.baseline_key(verifier, keys["data"], cfg)
-    keys["smoke"] = stages.smoke_key(verifier, keys["draft_flat"], keys["data"], keys["baseline"], cfg)
+            keys["responses"] = conversations = key_fns.regen_key(verifier, keys["data"], cfg)
+        keys["hidden_states"] = key_fns.extraction_key(verifier, conversations, cfg)
+    keys["vocab"] = key_fns.vocab_key(verifier, keys["hidden_states"], init, cfg)
+    keys["draft_ckpt"] = key_fns.training_key(verifier, keys["hidden_states"], keys["vocab"], init, cfg)
+    keys["draft_flat"] = key_fns.export_key(verifier, keys["draft_ckpt"], cfg)
+    keys["baseline"] = key_fns.baseline_key(verifier, keys["data"], cfg)
+    keys["smoke"] = key_fns.smoke_key(verifier, keys["draft_flat"], keys["data"], keys["baseline"], cfg)
     return keys
 
 
@@ -89,7 +92,7 @@ IN_KEYS = [
 # 'auto' settings enter the keys resolved on this machine (test_auto_dtypes_enter_resolved)
 AUTO_RESOLVED = {
     "training.cpu_dtype": lambda cfg: cpu_dtype(cfg.training.cpu_dtype),
-    "extraction.engine_dtype": lambda cfg: stages.capture_engine_dtype(cfg),
+    "extraction.engine_dtype": lambda cfg: capture_engine_dtype(cfg),
 }
 OTHER_VALUE = {"training.loss": "ce"}  # a valid value of a free-form field
 
@@ -186,22 +189,22 @@ def test_verifier_identity_is_in_every_key(backend, verifier, data_file):
 def test_data_file_content_is_in_the_key(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text('{"prompt": "a"}\n')
-    k1 = stages.data_key(str(f), RunConfig())
+    k1 = key_fns.data_key(str(f), RunConfig())
     f.write_text('{"prompt": "b"}\n')
-    assert stages.data_key(str(f), RunConfig()) != k1
+    assert key_fns.data_key(str(f), RunConfig()) != k1
 
 
 def test_fixed_eval_file_is_in_the_data_key(tmp_path, data_file):
     f = tmp_path / "eval.jsonl"
     f.write_text('{"prompt": "question 1"}\n')
     cfg = RunConfig.model_validate({"data": {"path": data_file, "eval_path": str(f)}})
-    k1 = stages.data_key(data_file, cfg)
+    k1 = key_fns.data_key(data_file, cfg)
     f.write_text('{"prompt": "question 2"}\n')
-    assert stages.data_key(data_file, cfg) != k1
+    assert key_fns.data_key(data_file, cfg) != k1
     moved = tmp_path / "moved.jsonl"
     moved.write_text(f.read_text())
     same = RunConfig.model_validate({"data": {"path": data_file, "eval_path": str(moved)}})
-    assert stages.data_key(data_file, same) == stages.data_key(data_file, cfg)
+    assert key_fns.data_key(data_file, same) == key_fns.data_key(data_file, cfg)
 
 
 def test_warm_start_is_in_the_training_key(tmp_path, verifier, data_file):

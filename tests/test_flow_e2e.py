@@ -38,7 +38,7 @@ def test_report_has_the_promised_fields(e2e_run, tiny_verifier):
     assert 1.0 <= s["mean_acceptance_length"] <= 4.0
     assert s["lossless"] is True
     assert 1.0 < r["simulated_acceptance"] <= 4.0  # what speculators' validation predicts, beside the measured
-    d = r["simulated_decoding"]  # decoding simulated on the validation rows (eaglet.acceptance)
+    d = r["simulated_decoding"]  # decoding simulated on the validation rows (eaglet.train.acceptance)
     assert d["rows"] > 0 and abs(d["position_average"] - r["simulated_acceptance"]) < 0.02  # speculators' val rows
     assert 1.0 <= d["chain_in_vocab"] <= d["chain"] <= 4.0 and len(d["chain_in_vocab_per_position"]) == 3
     assert "mean acceptance length" in (e2e_run["out"] / "report.md").read_text()
@@ -133,13 +133,13 @@ def test_smoke_command_alone(e2e_run, tiny_verifier, tmp_path):
 
 def test_flat_and_nested_forms_are_the_same_draft_in_vllm(e2e_run, tiny_verifier):
     """vLLM loads both forms; the converter must not change a single greedy token or acceptance count."""
-    from eaglet.vllm_run import run_vllm_job
+    from eaglet.vllm import run_job
 
     prompts = load_prompts(Path(e2e_run["report"]["artifacts"]["data"]) / "eval.jsonl", 16)
     job = {"verifier": str(tiny_verifier), "conversations": prompts, "max_tokens": 48, "max_model_len": 512,
            "temperature": 0.0, "dtype": "float32", "k": 3}
-    flat = run_vllm_job(dict(job, draft=str(e2e_run["out"] / "draft")))
-    nested = run_vllm_job(dict(job, draft=str(e2e_run["out"] / "draft-speculators")))
+    flat = run_job(dict(job, draft=str(e2e_run["out"] / "draft")))
+    nested = run_job(dict(job, draft=str(e2e_run["out"] / "draft-speculators")))
     assert flat["token_ids"] == nested["token_ids"]
     assert flat["spec"] == nested["spec"] and flat["spec"]["accepted"] > 0
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from eaglet.data import prompt_digests, write_conversations
-from eaglet.history import decide
+from eaglet.report.history import decide
 from eaglet.train import read_lineage, warm_start_decision, write_lineage
 
 

@@ -1,15 +1,15 @@
 """Sampled answers from vLLM's plain engine (the hf backend's regeneration), on the machine's own backend."""
 
-from eaglet.vllm_run import run_vllm_job
+from eaglet.vllm import run_job
 
 
 def test_sampled_answers_survive_a_chunked_prefill(tiny_verifier):
     """A prompt longer than the engine's token budget per step is prefilled in chunks; vLLM then rewinds a seeded
     request's generator, which torch's CPU generator cannot do, and the CPU engine died on the first such request
-    (eaglet.vllm_worker.request_seeds). Two sampled answers per prompt must come back for every prompt."""
+    (eaglet.vllm.worker.request_seeds). Two sampled answers per prompt must come back for every prompt."""
     long = " ".join(["how do bees find the flowers in a garden"] * 30)
     convs = [[{"role": "user", "content": long}], [{"role": "user", "content": "hello"}]]
-    result = run_vllm_job({"verifier": str(tiny_verifier), "conversations": convs, "max_tokens": 8,
+    result = run_job({"verifier": str(tiny_verifier), "conversations": convs, "max_tokens": 8,
                            "max_model_len": 1024, "temperature": 0.7, "n": 2, "seed": 0, "dtype": "float32",
                            "max_num_batched_tokens": 32, "max_num_seqs": 4})
     assert [len(per) for per in result["token_ids"]] == [2, 2]
@@ -22,7 +22,7 @@ def test_sampled_conversations_get_seeds_of_their_own(monkeypatch):
     conversation; on vLLM's CPU backend none (its engine generator then draws for each); greedy ones the job's."""
     from vllm.platforms import current_platform
 
-    from eaglet.vllm_worker import request_seeds
+    from eaglet.vllm.worker import request_seeds
 
     convs = [[{"role": "user", "content": f"question {i}"}] for i in range(64)]
     job = {"conversations": convs, "temperature": 0.7, "n": 2, "seed": 0}
@@ -38,9 +38,9 @@ def test_sampled_conversations_get_seeds_of_their_own(monkeypatch):
 
 def test_small_hosts_run_vllm_on_every_core(monkeypatch):
     """vLLM's "auto" CPU binding keeps one core for its scheduler: on 2 cores an offline engine ran the verifier
-    on one (eaglet.vllm_run.cpu_threads_bind). eaglet binds all of a small host's CPUs for offline engines, and
+    on one (eaglet.vllm.run.cpu_threads_bind). eaglet binds all of a small host's CPUs for offline engines, and
     leaves the capture server, bigger hosts and an explicit setting alone."""
-    from eaglet.vllm_run import SMALL_HOST_CPUS, cpu_threads_bind, vllm_env
+    from eaglet.vllm import SMALL_HOST_CPUS, cpu_threads_bind, vllm_env
 
     assert cpu_threads_bind({0, 1}) == "0,1"
     assert cpu_threads_bind({3, 1}) == "1,3"  # the affinity mask, not 0..n-1

@@ -12,14 +12,16 @@ from pathlib import Path
 import pytest
 
 from eaglet.config import RunConfig
-from eaglet.train import (follow_metrics, metrics_end, speculators_argv, torchrun_argv, torchrun_command, torchrun_env, train_draft,
-                          visible_accelerators)
+from eaglet.devices import visible_accelerators
+from eaglet.train import speculators_argv, train_draft
+from eaglet.train.launch import torchrun_argv, torchrun_command, torchrun_env
+from eaglet.train.metrics import follow_metrics, metrics_end
 
 
 def test_torchrun_command_runs_one_eaglet_rank_per_gpu(tmp_path):
     cmd = torchrun_command(tmp_path / "argv.json", tmp_path / "metrics.jsonl", 8)
     assert cmd == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
-                   "-m", "eaglet.train_rank", str(tmp_path / "argv.json"), str(tmp_path / "metrics.jsonl")]
+                   "-m", "eaglet.train.rank", str(tmp_path / "argv.json"), str(tmp_path / "metrics.jsonl")]
     assert torchrun_argv(["--epochs", "3"]) == ["--epochs", "3", "--fsdp-shard"]
     assert torchrun_argv(["--fsdp-shard"]) == ["--fsdp-shard"]
     assert int(torchrun_env(2)["OMP_NUM_THREADS"]) >= 1
@@ -39,7 +41,7 @@ def test_two_ranks_start_under_torchrun_and_reach_speculators(tiny_verifier, tmp
         train_draft(argv, tmp_path / "work" / "metrics.jsonl", lambda row: None, nproc=2)
     text = str(err.value)
     assert "torchrun (2 ranks) failed" in text
-    # both ranks ran eaglet.train_rank into speculators' maybe_setup_distributed -> set_device_index
+    # both ranks ran eaglet.train.rank into speculators' maybe_setup_distributed -> set_device_index
     assert text.count("Cannot access accelerator device when none is available") >= 2, text[-2000:]
     launched = json.loads((tmp_path / "work" / "torchrun_argv.json").read_text())
     assert launched == argv + ["--fsdp-shard"] and Path(launched[launched.index("--save-path") + 1]) == save
@@ -70,7 +72,7 @@ def test_float32_muon_is_upstreams_orthogonalisation_unrounded():
     import torch
     import torch.optim._muon as muon
 
-    from eaglet.train import float32_muon
+    from eaglet.train.cpu import float32_muon
 
     upstream = muon._zeropower_via_newtonschulz
     for shape in ((64, 160), (160, 64)):
@@ -116,11 +118,11 @@ def test_a_warm_start_loads_the_epoch_the_draft_was_delivered_from(tmp_path):
 
 
 def test_decoding_walks_from_where_the_last_step_ended():
-    """eaglet.acceptance.walk: a step from j accepts the run of right steps (steps after a wrong one do not count)
+    """eaglet.train.acceptance.walk: a step from j accepts the run of right steps (steps after a wrong one do not count)
     and the next step starts at j + run + 1; positions outside the response are never starts."""
     import torch
 
-    from eaglet.acceptance import walk
+    from eaglet.train.acceptance import walk
 
     right = torch.tensor([[1, 1, 0, 1, 1, 1, 1, 0],   # step 0 right from j
                           [1, 0, 0, 0, 1, 1, 0, 0],   # step 1

@@ -36,7 +36,7 @@ def resolve_backend(backend: str = "auto", device: str = "auto", tensor_parallel
                     scheduler: str | None = None) -> str:
     """The backend a run will use ('auto' resolved), or one sentence saying which setting to change. Checked
     before any weights load."""
-    from eaglet.train import visible_accelerators
+    from eaglet.devices import visible_accelerators
 
     gpus = visible_accelerators()
     if device.startswith("cuda") and not gpus:
@@ -62,3 +62,12 @@ def resolve_backend(backend: str = "auto", device: str = "auto", tensor_parallel
         raise EagletError(f"extraction.device={device} pins one GPU but tensor_parallel_size="
                           f"{tensor_parallel_size}; use device=auto (CUDA_VISIBLE_DEVICES picks the GPUs)")
     return backend
+
+
+def run_backend(cfg) -> str:
+    """A run's backend: 'auto' resolved, and a verifier.endpoint is a vLLM engine; impossible settings refused."""
+    e = cfg.extraction
+    backend = "vllm" if cfg.verifier.endpoint and e.backend == "auto" else e.backend
+    if cfg.verifier.endpoint and backend != "vllm":
+        raise EagletError("verifier.endpoint is a vLLM capture server: it needs extraction.backend vllm or auto")
+    return resolve_backend(backend, e.device, e.tensor_parallel_size, e.workers, e.scheduler_address)

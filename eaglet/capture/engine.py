@@ -22,7 +22,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from eaglet.config import RunConfig
 from eaglet.errors import EagletError
+from eaglet.vllm.process import stop_group
 
 log = logging.getLogger("eaglet.vllm")
 
@@ -53,7 +55,7 @@ def engine_dtype(setting: str, device: str = "auto") -> str:
     GPUs."""
     if setting != "auto":
         return setting
-    from eaglet.train import on_accelerator
+    from eaglet.devices import on_accelerator
 
     return "float32" if device == "cpu" or not on_accelerator() else "bfloat16"
 
@@ -119,7 +121,7 @@ def start_engine(verifier: str, fingerprint: str, layers: list[int], storage: Pa
                  dtype: str = "bfloat16", plain_decode: bool | None = None) -> Engine:
     """Start the server in its own session (its engine processes stop with it) and wait until it answers.
     Its log is storage/server.log."""
-    from eaglet.vllm_run import vllm_env
+    from eaglet.vllm import vllm_env
 
     storage.mkdir(parents=True, exist_ok=True)
     port = port or free_port(host)
@@ -155,24 +157,11 @@ def start_engine(verifier: str, fingerprint: str, layers: list[int], storage: Pa
 
 
 def stop_engine(engine: Engine) -> None:
-    """SIGTERM lets vLLM shut down its engine core and workers; SIGKILL whatever is left of the group."""
+    """Stop an engine this process started (its guard's process group; eaglet.vllm.stop_group); an attached
+    server (pid None) is its owner's to stop."""
     if engine.pid is None:
-        return  # not ours: a server kept up by its owner
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(engine.pid, sig)
-        except ProcessLookupError:
-            break
-        for _ in range(60):
-            try:
-                if os.waitpid(engine.pid, os.WNOHANG)[0]:
-                    break
-            except ChildProcessError:  # not our child (started by another process): poll its existence
-                try:
-                    os.kill(engine.pid, 0)
-                except ProcessLookupError:
-                    break
-            time.sleep(0.5)
+        return
+    stop_group(engine.pid)
     engine.pid = None
 
 
@@ -239,6 +228,50 @@ def _guard(parent: int, argv: list[str]) -> int:
                 os.killpg(0, signal.SIGKILL)
         time.sleep(1)
     return server.returncode
+
+
+
+def capture_engine_dtype(cfg: RunConfig) -> str:
+    """The capture engine's --dtype for a run (extraction.engine_dtype resolved for its device)."""
+    return engine_dtype(cfg.extraction.engine_dtype, cfg.extraction.device)
+
+
+def engine_max_model_len(cfg: RunConfig) -> int:
+    """The longest sequence the data pass needs (what a served engine is checked against)."""
+    return cfg.data.max_seq_len + (cfg.data.max_new_tokens if cfg.data.regenerate else 1)
+
+
+def started_engine_max_model_len(cfg: RunConfig) -> int:
+    """What an engine eaglet starts holds: the data pass's sequences and the smoke test's, so the same engine can
+    answer for the smoke baseline (baseline_engine_fits) even where the training answers are shorter than the
+    smoke test's (data.max_new_tokens < smoke.max_tokens)."""
+    from eaglet.smoke import smoke_max_model_len
+
+    return max(engine_max_model_len(cfg), smoke_max_model_len(cfg) if cfg.smoke.enabled else 0)
+
+
+def baseline_engine_fits(engine: Engine | None, cfg: RunConfig) -> bool:
+    """Whether the data pass's engine can give the smoke test its baseline: it computes in the smoke test's dtype
+    and holds a held-out prompt with smoke.max_tokens of answer."""
+    from eaglet.smoke import smoke_max_model_len
+
+    return (engine is not None and cfg.smoke.enabled and capture_engine_dtype(cfg) == cfg.smoke.dtype
+            and engine.max_model_len >= smoke_max_model_len(cfg))
+
+
+
+def attach_for_run(verifier, cfg: RunConfig) -> Engine:
+    """verifier.endpoint checked for this run: this verifier's fingerprint, the run's layers, its lengths."""
+    return attach(cfg.verifier.endpoint, verifier.fingerprint, capture_layers(verifier.aux_layer_ids,
+                  verifier.num_layers), engine_max_model_len(cfg), capture_engine_dtype(cfg))
+
+
+def start_for_run(verifier, cfg: RunConfig, storage: Path) -> Engine:
+    """The run's one verifier load: a capture engine sized for the data pass and the smoke baseline."""
+    e = cfg.extraction
+    return start_engine(verifier.path, verifier.fingerprint, capture_layers(verifier.aux_layer_ids,
+                        verifier.num_layers), storage, started_engine_max_model_len(cfg), e.tensor_parallel_size,
+                        e.device, verifier.trust_remote_code, dtype=capture_engine_dtype(cfg))
 
 
 if __name__ == "__main__":

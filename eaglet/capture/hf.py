@@ -1,6 +1,6 @@
 """The hf capture backend: hidden states of given conversations from transformers forward passes, in this
 process or spread over Dask workers (eaglet.capture.dask). For verifiers vLLM cannot load, and for fan-out over
-many hosts; with data.regenerate the responses come first from a separate vLLM generation (eaglet.regenerate),
+many hosts; with data.regenerate the responses come first from a separate vLLM generation (eaglet.capture.regenerate),
 so this backend loads the verifier twice where the vllm backend loads it once.
 """
 

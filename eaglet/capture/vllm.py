@@ -16,6 +16,7 @@ run's dataset is then assembled from the rows, in row order, as links.
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 import logging
 import time
@@ -146,6 +147,29 @@ def capture_settings(layers: list[int], max_seq_len: int, dtype: str, regenerate
             "version": CAPTURE_VERSIONS["vllm-sampled" if regenerate and temperature > 0 else "vllm"]}
 
 
+def run_capture_settings(verifier, cfg) -> dict:
+    """capture_settings for a run: a VerifierInfo and a RunConfig."""
+    from eaglet.capture.engine import capture_engine_dtype, capture_layers
+
+    d = cfg.data
+    return capture_settings(capture_layers(verifier.aux_layer_ids, verifier.num_layers), d.max_seq_len,
+                            cfg.extraction.dtype, d.regenerate, d.max_new_tokens, d.temperature,
+                            d.responses_per_prompt, d.seed, capture_engine_dtype(cfg))
+
+
+def write_plan(path: Path, planned: dict[str, list[dict]], skipped: int) -> None:
+    """plan_rows' result, kept for the pass that sends it (the rows are tokenized once per run)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"planned": planned, "skipped": skipped}))
+    os.replace(tmp, path)
+
+
+def read_plan(path: Path) -> tuple[dict[str, list[dict]], int]:
+    plan = json.loads(Path(path).read_text())
+    return plan["planned"], plan["skipped"]
+
+
 def plan_rows(tokenizer_path: str, conversations_file: Path, fingerprint: str, settings: dict,
               trust_remote_code: bool = False) -> tuple[dict[str, list[dict]], int]:
     """{row key: its requests} in row order (a row asked twice is one key), and the rows left out."""
@@ -184,12 +208,14 @@ def generate_and_capture(engine: Engine | None, tokenizer_path: str, conversatio
                          layers: list[int], max_seq_len: int, dtype: str = "bfloat16", regenerate: bool = True,
                          max_new_tokens: int = 128, temperature: float = 0.0, responses_per_prompt: int = 1,
                          seed: int = 0, trust_remote_code: bool = False, progress=None,
-                         fingerprint: str | None = None, engine_dtype: str = "bfloat16") -> dict:
+                         fingerprint: str | None = None, engine_dtype: str = "bfloat16",
+                         plan: Path | None = None) -> dict:
     """Fill `out` with the dataset view of every row of `conversations_file` (eaglet.capture.rows), sending to
     `engine` only the rows the store does not hold yet; each is published as its requests finish, so a killed
     pass loses only the rows in flight. `engine` may be None when every row is known; else it captures `layers`
     (vLLM ids, eaglet.capture.engine.capture_layers). responses.jsonl keeps the verifier's answers.
-    progress(rows done, rows to compute, tokens/s)."""
+    progress(rows done, rows to compute, tokens/s). plan: plan_rows' result for these settings (write_plan), when
+    the run has already tokenized the rows to decide whether to load the verifier."""
     import httpx
     from transformers import AutoTokenizer
 
@@ -200,7 +226,10 @@ def generate_and_capture(engine: Engine | None, tokenizer_path: str, conversatio
     num_layers = len(layers)
     settings = capture_settings(layers, max_seq_len, dtype, regenerate, max_new_tokens, temperature,
                                 responses_per_prompt, seed, engine_dtype)  # engine_dtype: the engine's --dtype
-    planned, skipped = plan_rows(tokenizer_path, conversations_file, fingerprint, settings, trust_remote_code)
+    if plan is not None:
+        planned, skipped = read_plan(plan)
+    else:
+        planned, skipped = plan_rows(tokenizer_path, conversations_file, fingerprint, settings, trust_remote_code)
     todo = rows_to_compute(planned)
     gen = {"max_new_tokens": max_new_tokens, "temperature": temperature} if regenerate else None  # seeds: plan_rows
 
@@ -303,3 +332,13 @@ def greedy_answers(engine: Engine, tokenizer_path: str, prompts: list[list[dict]
     n_tokens = sum(len(ids[0]) for ids in token_ids)
     return {"token_ids": token_ids, "seconds": seconds, "output_tokens": n_tokens,
             "tokens_per_s": n_tokens / seconds if seconds else 0.0, "load_seconds": 0.0}
+
+
+def summary(stats: dict) -> str:
+    """The data pass in a log line: rows computed and reused, samples, and the engine's speed when it ran."""
+    line = (f"{stats['rows']} rows: {stats['rows_computed']} computed, {stats['rows_reused']} reused from earlier "
+            f"runs; {stats['samples']} samples")
+    if stats["rows_computed"]:
+        line += (f"; {stats['generated_tokens']} tokens generated, captured {stats['extracted_tokens']} tokens at "
+                 f"{stats['tokens_per_s']:.0f} tokens/s")
+    return line

@@ -1,4 +1,4 @@
-"""One rank of a multi-GPU training run: `torchrun --nproc-per-node N -m eaglet.train_rank ARGV.json METRICS`.
+"""One rank of a multi-GPU training run: `torchrun --nproc-per-node N -m eaglet.train.rank ARGV.json METRICS`.
 
 speculators sets itself up from torchrun's environment (LOCAL_RANK: process group on the accelerator's default
 backend, FSDP `fully_shard` of the draft, a distributed sampler); each rank runs the same speculators `main`
@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from eaglet.train import train_draft
+from eaglet.train.launch import train_draft
 
 if __name__ == "__main__":
     argv = json.loads(Path(sys.argv[1]).read_text())

@@ -132,7 +132,7 @@ def render_markdown(report: dict) -> str:
             lines.append(f"- quality gate: **failed**: {report['gate_failure']}")
     hist = report.get("history") or []
     if hist:
-        from eaglet.history import when
+        from eaglet.report.history import when
 
         lines += ["", "## Draft history (this directory)", "", "| finished | draft | mean acceptance | per position "
                   "| lossless | rows | warm start | current |", "|---|---|---:|---|---|---:|---|---|"]
@@ -195,7 +195,7 @@ def _simulated(checkpoint: Path) -> float | None:
 
 def make_plots(out: Path, checkpoint_dir: str, smoke: dict | None) -> dict[str, str]:
     """PNG files beside the report; returns their names (the report links them relatively)."""
-    from eaglet.plots import acceptance_per_position, training_curves
+    from eaglet.report.plots import acceptance_per_position, training_curves
     from eaglet.train import read_metrics
 
     plots = {}
@@ -228,9 +228,9 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
                   comparison: str | None = None, warm_start: dict | None = None) -> dict:
     """artifacts: store paths by stage (data, responses, hidden_states, vocab, checkpoint, draft).
     verifier_loads: weight loads before training; engine_loads: per stage, every load of the run.
-    comparison: eaglet.history.comparison_key of the smoke test. Keeps the draft in DIR/drafts/<key> and moves
-    DIR/current to it if it passes the gate and beats the current one (eaglet.history)."""
-    from eaglet import history
+    comparison: eaglet.report.history.comparison_key of the smoke test. Keeps the draft in DIR/drafts/<key> and moves
+    DIR/current to it if it passes the gate and beats the current one (eaglet.report.history)."""
+    from eaglet.report import history
 
     out = out.resolve()
     draft_key = Path(artifacts["draft"]).name
@@ -313,6 +313,6 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def make_history_plot(out: Path, rows: list[dict]) -> bool:
-    from eaglet.plots import acceptance_history
+    from eaglet.report.plots import acceptance_history
 
     return acceptance_history(rows, out / "history.png") is not None

@@ -1,11 +1,11 @@
-"""Run a vLLM job (see eaglet.vllm_worker) in a child process and return its JSON result."""
+"""Run a vLLM job (eaglet.vllm.worker, or another module speaking its protocol) in a child process and return its
+JSON result."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -13,6 +13,7 @@ from collections import deque
 from pathlib import Path
 
 from eaglet.errors import EagletError
+from eaglet.vllm.process import stop_group
 
 log = logging.getLogger("eaglet.vllm")
 
@@ -56,25 +57,11 @@ def vllm_env(all_cores: bool = False) -> dict[str, str]:
     return env
 
 
-def _stop_group(proc: subprocess.Popen) -> None:
-    """Stop the child and vLLM's engine processes (its own session): signalling the child alone leaves the engine
-    core and its workers running, holding the model's memory. SIGTERM lets vLLM shut down; SIGKILL the rest."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-    proc.wait()
-
-
-def run_vllm_job(job: dict, timeout: float | None = None, progress=None, env: dict[str, str] | None = None) -> dict:
+def run_job(job: dict, timeout: float | None = None, progress=None, env: dict[str, str] | None = None,
+            module: str = "eaglet.vllm.worker") -> dict:
     """progress(done, total, tokens_per_s): called after each chunk of work the child finished. env: set on top
-    of vllm_env() for the child."""
-    from eaglet.vllm_worker import PROGRESS
+    of vllm_env() for the child. module: the child's `python -m` module (eaglet.vllm.worker.serve's protocol)."""
+    from eaglet.vllm.worker import PROGRESS
 
     with tempfile.TemporaryDirectory(prefix="eaglet-vllm-") as tmp:
         job = dict(job, out=str(Path(tmp) / "result.json"))
@@ -82,7 +69,7 @@ def run_vllm_job(job: dict, timeout: float | None = None, progress=None, env: di
         job_file.write_text(json.dumps(job))
         tail: deque[str] = deque(maxlen=40)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "eaglet.vllm_worker", str(job_file)], start_new_session=True,
+            [sys.executable, "-m", module, str(job_file)], start_new_session=True,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp,
             env={**vllm_env(all_cores=True), **(env or {})},
         )
@@ -101,7 +88,8 @@ def run_vllm_job(job: dict, timeout: float | None = None, progress=None, env: di
                     log.debug(line)
             rc = proc.wait(timeout=timeout)
         except BaseException:  # interrupted here (a cancelled run, a failing callback): stop vLLM too
-            _stop_group(proc)
+            stop_group(proc.pid)
+            proc.wait()
             raise
         out = Path(job["out"])
         if rc != 0 or not out.is_file():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eaglet.data import prompt_part, read_conversations, write_conversations
-from eaglet.vllm_run import run_vllm_job
+from eaglet.vllm import run_job
 
 
 def regenerate_responses(
@@ -22,7 +22,7 @@ def regenerate_responses(
 ) -> dict:
     rows = read_conversations(conversations_file)
     prompts = [prompt_part(msgs) for msgs in rows]
-    result = run_vllm_job({
+    result = run_job({
         "verifier": verifier_path,
         "conversations": prompts,
         "max_tokens": max_new_tokens,

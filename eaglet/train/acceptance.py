@@ -72,7 +72,7 @@ def simulate(checkpoint: Path, argv: list[str], max_rows: int = 2000) -> dict | 
     from speculators.train.data import ArrowDataset
     from speculators.train.dataloader import _setup_dataloader
 
-    from eaglet.train import argv_value, argv_values
+    from eaglet.train.launch import argv_value, argv_values
 
     if "--hidden-states-backend" in argv:
         return None

@@ -1,4 +1,4 @@
-"""vLLM in a child process: `python -m eaglet.vllm_worker JOB.json`.
+"""vLLM in a child process: `python -m eaglet.vllm.worker JOB.json` (eaglet.vllm.run.run_job starts it).
 
 vLLM spawns workers and holds most of the machine's memory, so eaglet never imports it in the orchestrating
 process. A job is a JSON file; the result is written to job["out"] as JSON.
@@ -74,7 +74,8 @@ def conversation_seed(seed: int, conversation: list[dict]) -> int:
     return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) & 0x3FFFFFFF  # room for seed + i below 2**31
 
 
-def _counters(llm) -> dict:
+def spec_counters(llm) -> dict:
+    """vLLM's spec-decode counters so far (cumulative; spec_delta gives what one pass added)."""
     out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
     for m in llm.get_metrics():
         name = m.name
@@ -89,6 +90,14 @@ def _counters(llm) -> dict:
     return out
 
 
+def spec_delta(before: dict, after: dict) -> dict:
+    """What the passes between two spec_counters readings drafted and accepted (per position too)."""
+    per_pos_before = before["per_pos"] or [0] * len(after["per_pos"])
+    return {"drafts": after["drafts"] - before["drafts"], "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
+            "accepted": after["accepted"] - before["accepted"],
+            "accepted_per_pos": [a - b for a, b in zip(after["per_pos"], per_pos_before)]}
+
+
 def run(job: dict) -> dict:
     from vllm import SamplingParams
 
@@ -100,7 +109,7 @@ def run(job: dict) -> dict:
                              seed=seed) for seed in request_seeds(job)]
     if job.get("warmup"):  # the first generation pays one-off costs that are not decoding speed
         llm.chat(convs[:1], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
-    before = _counters(llm)
+    before = spec_counters(llm)
     t0 = time.perf_counter()
     # Chunks large enough to keep vLLM's batch full, small enough to report progress on long runs.
     chunk = max(1, job.get("chunk") or len(convs))
@@ -111,7 +120,7 @@ def run(job: dict) -> dict:
         done += sum(len(c.token_ids) for o in new for c in o.outputs)
         report(len(outputs), len(convs), done, done / (time.perf_counter() - t0))
     seconds = time.perf_counter() - t0
-    after = _counters(llm)
+    after = spec_counters(llm)
     texts = [[c.text for c in o.outputs] for o in outputs]
     token_ids = [[list(c.token_ids) for c in o.outputs] for o in outputs]
     n_tokens = sum(len(t) for per in token_ids for t in per)
@@ -124,13 +133,7 @@ def run(job: dict) -> dict:
         "load_seconds": load_seconds,
     }
     if job.get("draft"):
-        per_pos_after, per_pos_before = after["per_pos"], before["per_pos"] or [0] * len(after["per_pos"])
-        result["spec"] = {
-            "drafts": after["drafts"] - before["drafts"],
-            "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
-            "accepted": after["accepted"] - before["accepted"],
-            "accepted_per_pos": [a - b for a, b in zip(per_pos_after, per_pos_before)],
-        }
+        result["spec"] = spec_delta(before, after)
     if job.get("batch1"):  # then the first N conversations one at a time: batch-1 latency-bound decoding
         t1, n1 = time.perf_counter(), 0
         for conv, p in zip(convs[: job["batch1"]], params):
@@ -145,10 +148,12 @@ def report(done: int, total: int, tokens: int, tokens_per_s: float) -> None:
           flush=True)
 
 
-def main() -> None:
+def serve(run_job_fn) -> None:
+    """The job protocol of a vLLM child process (`python -m MODULE JOB.json`): read the job, run it, write the
+    result atomically to job["out"] (run_job reads it; progress goes to stdout as PROGRESS lines)."""
     with open(sys.argv[1]) as f:
         job = json.load(f)
-    result = run(job)
+    result = run_job_fn(job)
     tmp = job["out"] + ".tmp"
     with open(tmp, "w") as f:
         json.dump(result, f)
@@ -156,4 +161,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":  # vLLM spawns worker processes: the guard is required
-    main()
+    serve(run)

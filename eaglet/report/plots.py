@@ -78,7 +78,7 @@ def acceptance_per_position(per_position: list[float], mean_length: float, k: in
 
 
 def acceptance_history(rows: list[dict], out: Path) -> Path | None:
-    """eaglet.history rows: mean acceptance length per kept draft, oldest first; the current one marked."""
+    """eaglet.report.history rows: mean acceptance length per kept draft, oldest first; the current one marked."""
     points = [(i, r) for i, r in enumerate(rows) if r["acceptance"] is not None]
     if not points:
         return None

@@ -1,0 +1,14 @@
+"""Which devices this process computes on: training, capture and the engines ask the same question."""
+
+from __future__ import annotations
+
+import torch
+
+
+def on_accelerator() -> bool:
+    return torch.accelerator.current_accelerator(check_available=True) is not None
+
+
+def visible_accelerators() -> int:
+    """GPUs this process may use (CUDA_VISIBLE_DEVICES decides); 0 on CPU."""
+    return torch.cuda.device_count() if on_accelerator() and torch.cuda.is_available() else 0

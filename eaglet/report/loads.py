@@ -1,0 +1,19 @@
+"""What a run paid in weight loads, from its tasks' states: the unit users pay in (22.5 minutes each for a
+Kimi-K2.5 verifier)."""
+
+from __future__ import annotations
+
+from eaglet.store import built_by_this_process_since
+
+HF_DATA_STAGES = ("regenerate-responses", "extract-hidden-states")  # each loads the verifier when it builds
+SMOKE_STAGES = ("verifier-baseline", "smoke-test")  # one engine each, when it ran
+
+
+def engine_loads(tasks: dict, endpoint: str | None, started: float) -> dict[str, int]:
+    """{"data": verifier loads before training, "smoke": engines the smoke stage started}. tasks: name ->
+    {"state", "result"} as the flow recorded them; a served endpoint is no load of this run's."""
+    data = int("load-verifier" in tasks and not endpoint)
+    data += sum(1 for name in HF_DATA_STAGES
+                if name in tasks and built_by_this_process_since(tasks[name]["result"], started))
+    smoke = sum(1 for name in SMOKE_STAGES if name in tasks and tasks[name]["state"] != "Cached")
+    return {"data": data, "smoke": smoke}

@@ -1,0 +1,65 @@
+"""The training stage top to bottom: speculators trains in `work_dir/checkpoints` (resuming from the last whole
+epoch), the epoch whose validation predicts the longest acceptance becomes the draft, and the draft records its
+lineage and its simulated decoding."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from eaglet import convert
+from eaglet.config import RunConfig
+from eaglet.devices import on_accelerator
+from eaglet.train import acceptance
+from eaglet.train.checkpoints import (best_checkpoint, discard_incomplete_checkpoints, write_delivered,
+                                      write_final_draft)
+from eaglet.train.launch import BF16_MIN_SPEEDUP, bf16_matmul_speedup, cpu_dtype, speculators_argv, train_draft
+from eaglet.train.metrics import METRICS_FILE, training_monitor
+from eaglet.train.warm_start import run_training, warm_start_weights, write_lineage
+from eaglet.verifier import VerifierInfo
+
+ARGV_FILE = "speculators_train_argv.json"  # in a draft_ckpt artifact: the run, reproducible with `speculators train`
+
+
+def train_stage(work_dir: Path, verifier: VerifierInfo, states_dir: Path, vocab_dir: Path, init_dir: Path | None,
+                train_file: Path, cfg: RunConfig, log: logging.Logger | logging.LoggerAdapter,
+                progress: Callable[..., None]) -> dict | None:
+    """Train into work_dir (the draft_ckpt artifact being built): the top level is the delivered draft, every
+    epoch stays under checkpoints/. Returns the simulated decoding on the validation rows (None if not possible)."""
+    training = run_training(init_dir, cfg.training)
+    work = work_dir / "checkpoints"  # kept across attempts: speculators resumes from the last epoch in it
+    for note in discard_incomplete_checkpoints(work):
+        log.warning(f"discarded an incomplete checkpoint ({note}); resuming from the one before")
+    layer_config = None
+    if cfg.draft.like and not init_dir:  # the reference draft's layer shapes instead of the verifier's
+        layer_config = work_dir / "draft_layer_config.json"
+        convert.write_json(layer_config, convert.reference_layer_config(convert.read_reference(cfg.draft.like)))
+    argv = speculators_argv(verifier.path, states_dir, vocab_dir, work, verifier.aux_layer_ids,
+                            cfg.draft.draft_vocab_size, cfg.draft, training, verifier.trust_remote_code,
+                            draft_config=layer_config, multimodal=verifier.nested_text_config,
+                            states_dtype=cfg.extraction.dtype,
+                            init=warm_start_weights(init_dir) if init_dir else None)
+    (work_dir / ARGV_FILE).write_text(json.dumps(argv))
+    if training.cpu_dtype == "auto" and not on_accelerator():
+        log.info(f"training in {cpu_dtype('auto')} on this CPU: its bf16 matmuls run {bf16_matmul_speedup():.2f}x "
+                 f"float32's (bf16 from {BF16_MIN_SPEEDUP}x; training.cpu_dtype overrides)")
+    train_draft(argv, work_dir / METRICS_FILE, training_monitor(log, progress, training.epochs))
+
+    best, predicted = best_checkpoint(work, work_dir / METRICS_FILE)
+    if predicted is not None:
+        log.info(f"epoch {int(best.name) + 1} of {training.epochs} predicts the longest acceptance "
+                 f"({predicted:.3f}): it is the draft")
+    write_final_draft(best, work_dir)
+    write_delivered(work_dir, best, predicted)
+    write_lineage(work_dir, train_file, init_dir)
+    try:  # what vLLM should measure: decoding simulated on the validation rows (eaglet.train.acceptance)
+        sim = acceptance.write(best, argv, work_dir / "acceptance.json")
+    except Exception as e:  # a figure for the report, not a reason to lose the training
+        log.warning(f"could not simulate decoding on the validation rows: {type(e).__name__}: {e}")
+        return None
+    if sim:
+        log.info(f"decoding simulated on {sim['rows']} validation rows: acceptance length "
+                 f"{sim['chain_in_vocab']:.3f} (the position average {sim['position_average']:.3f})")
+    return sim

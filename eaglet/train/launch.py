@@ -1,0 +1,229 @@
+"""Train an EAGLE-3 draft with speculators: its model, its Trainer, its CLI config, in this process.
+
+We build the same `TrainConfig` the `speculators train` CLI would and call its `main`, so every training
+choice (TTT steps, loss, optimizer, checkpointing, resume) is speculators' own. On CPU, three hard-coded
+accelerator calls are patched in `cpu_patches`, and the CPU-capable kernels are selected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from eaglet.config import DraftParams, TrainingParams, loss_spec
+from eaglet.devices import on_accelerator, visible_accelerators
+from eaglet.train.cpu import cpu_patches, float32_muon, keep_log_handlers, lossless_checkpoints
+from eaglet.train.metrics import MetricsRecorder, follow_metrics, metrics_end
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_matmul_speedup() -> float:
+    """How many times faster this CPU multiplies bf16 matrices than float32 ones, measured on a draft-shaped matmul
+    (1024 tokens x 576 -> 1536, the MLP's up-projection for SmolLM2-135M's width): the best of 5 interleaved
+    tries each, about half a second. Once per process."""
+    import time
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(1024, 576, generator=gen), torch.randn(576, 1536, generator=gen)
+    pairs = {torch.float32: (a, b), torch.bfloat16: (a.bfloat16(), b.bfloat16())}
+    best = dict.fromkeys(pairs, float("inf"))
+    for round_ in range(6):  # round 0 warms both kernels up and is not counted
+        for dtype, (x, y) in pairs.items():
+            t = time.perf_counter()
+            for _ in range(4):
+                x @ y
+            if round_:
+                best[dtype] = min(best[dtype], time.perf_counter() - t)
+    return best[torch.float32] / best[torch.bfloat16]
+
+
+# bf16 training where a bf16 matmul runs at least this many times float32's speed. Measured: a 2-core Zen 4 EPYC
+# (native AVX-512 BF16) 2.1-3.1x in four processes, where 3 demo epochs trained 1.59x faster in bf16 (488 s against
+# 778 s, acceptance 1.642 against 1.639); a 2-core Xeon with AVX-512 BF16 but no AMX 0.55x on a larger matmul (844 s
+# bf16 against 620 s float32); a Zen 3 EPYC has no AVX-512 at all. 1.5 lies well between the kinds measured, so
+# timing noise does not flip the choice.
+BF16_MIN_SPEEDUP = 1.5
+
+
+def cpu_dtype(setting: str) -> str:
+    """training.cpu_dtype resolved: 'auto' is bfloat16 where this CPU's bf16 matmuls are measured at least
+    BF16_MIN_SPEEDUP times float32's speed (AMX, or native AVX-512 BF16 as on Zen 4), else float32."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if bf16_matmul_speedup() >= BF16_MIN_SPEEDUP else "float32"
+
+
+def speculators_argv(
+    verifier_path: str,
+    data_path: Path,
+    vocab_dir: Path,
+    save_path: Path,
+    aux_ids: list[int],
+    draft_vocab_size: int,
+    draft: DraftParams,
+    training: TrainingParams,
+    trust_remote_code: bool = False,
+    draft_config: Path | None = None,
+    multimodal: bool = False,
+    states_dtype: str = "bfloat16",
+    init: Path | None = None,
+) -> list[str]:
+    """The `speculators train` arguments for this run (also written to the artifact for reproduction)."""
+    flag = lambda name, on: f"--{name}" if on else f"--no-{name}"  # noqa: E731
+    argv = [
+        "--speculator-type", "eagle3",
+        "--verifier-name-or-path", verifier_path,
+        "--data-path", str(data_path),
+        "--save-path", str(save_path),
+        "--log-dir", str(save_path / "logs"),
+        "--target-layer-ids", *[str(i) for i in aux_ids],
+        "--draft-vocab-size", str(draft_vocab_size),
+        "--d2t-path", str(vocab_dir / "d2t.npy"),
+        "--t2d-path", str(vocab_dir / "t2d.npy"),
+        flag("norm-before-residual", draft.norm_before_residual),
+        flag("norm-before-fc", draft.norm_before_fc),
+        flag("norm-output", draft.norm_output),
+        "--epochs", str(training.epochs),
+        "--lr", str(training.lr),
+        "--optimizer", training.optimizer,
+        "--scheduler-type", training.scheduler,
+        "--scheduler-warmup-steps", str(training.warmup_steps),
+        "--ttt-steps", str(training.ttt_steps),
+        "--ttt-step-loss-decay", str(training.ttt_step_loss_decay),
+        "--loss-fn", loss_spec(training.loss),
+        "--total-seq-len", str(training.total_seq_len),
+        "--train-data-ratio", "0.95",
+        "--seed", str(training.seed),
+        "--log-freq", "10",
+    ]
+    if trust_remote_code:
+        argv.append("--trust-remote-code")
+    if states_dtype == "fp8":  # hs-connectors' reader dequantizes e4m3 + per-token scales on load
+        argv += ["--hidden-states-backend", "fp8"]
+    if multimodal:
+        # speculators resolves a mask token (used by DFlash/P-EAGLE, never by EAGLE-3) through AutoProcessor,
+        # which for Kimi-K2.5 / VL verifiers loads the image processor (torchvision); an explicit id skips it.
+        argv += ["--mask-token-id", str(_any_special_token_id(verifier_path))]
+    if init is not None:  # a warm start: speculators takes every shape from the checkpoint and refuses shaping flags
+        argv += ["--from-pretrained", str(init)]
+    elif draft_config is not None:  # shapes from a reference draft (draft.like) instead of the verifier
+        argv += ["--draft-config", str(draft_config)]  # speculators refuses the shaping flags beside it
+    else:
+        argv += ["--num-layers", "1", "--draft-arch", "llama", "--full-attention-indices", "0"]
+    if on_accelerator():
+        argv += ["--hidden-states-dtype", "bfloat16"]  # GPU defaults: flex attention, fused loss
+    else:
+        argv += [
+            "--draft-attn-impl", "sdpa",  # flex attention has no CPU backward
+            "--loss-implementation", "eager",  # the fused loss needs Triton
+            "--hidden-states-dtype", cpu_dtype(training.cpu_dtype),
+            "--num-workers", "0",
+        ]
+    return argv
+
+
+def _any_special_token_id(verifier_path: str) -> int:
+    from eaglet.verifier import read_config_dict, text_config_of
+
+    cfg = read_config_dict(Path(verifier_path))
+    text = text_config_of(cfg)
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        value = text.get(name, cfg.get(name))
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def argv_values(argv: list[str], flag: str) -> list[str]:
+    """The values after `flag` in a speculators argv (up to the next flag)."""
+    i = argv.index(flag) + 1
+    j = next((k for k in range(i, len(argv)) if argv[k].startswith("--")), len(argv))
+    return argv[i:j]
+
+
+def argv_value(argv: list[str], flag: str) -> str:
+    return argv_values(argv, flag)[0]
+
+
+def torchrun_command(argv_file: Path, metrics_file: Path | None, nproc: int) -> list[str]:
+    """One node, one rank per GPU, torchrun's standalone rendezvous; every rank runs eaglet.train.rank."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "eaglet.train.rank", str(argv_file)]
+    return cmd + ([str(metrics_file)] if metrics_file else [])
+
+
+def torchrun_argv(argv: list[str]) -> list[str]:
+    """speculators shards the draft over the ranks only when asked (FSDP `fully_shard`)."""
+    return argv if "--fsdp-shard" in argv else [*argv, "--fsdp-shard"]
+
+
+def torchrun_env(nproc: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))  # torchrun's default is 1
+    return env
+
+
+def _train_with_torchrun(argv: list[str], metrics_file: Path | None, on_metrics, nproc: int) -> None:
+    save_path = Path(argv_value(argv, "--save-path"))
+    save_path.mkdir(parents=True, exist_ok=True)
+    argv_file = save_path.parent / "torchrun_argv.json"
+    argv_file.write_text(json.dumps(torchrun_argv(argv)))
+    done = threading.Event()
+    follower = threading.Thread(target=follow_metrics, args=(metrics_file, on_metrics, done,
+                                                             metrics_end(metrics_file)), daemon=True) \
+        if metrics_file and on_metrics else None
+    if follower:
+        follower.start()
+    try:
+        proc = subprocess.run(torchrun_command(argv_file, metrics_file, nproc), env=torchrun_env(nproc),
+                              capture_output=True, text=True)
+    finally:
+        done.set()
+        if follower:
+            follower.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun ({nproc} ranks) failed with exit {proc.returncode}:\n"
+                           + (proc.stdout + proc.stderr)[-4000:])
+
+
+def train_draft(argv: list[str], metrics_file: Path | None = None,
+                on_metrics: Callable[[dict], None] | None = None, nproc: int | None = None) -> None:
+    """Run speculators' training; its metrics are appended to metrics_file (a resumed run continues it).
+    nproc: ranks (default: the visible GPUs). Above 1, torchrun launches them (speculators shards the draft with
+    FSDP); otherwise speculators runs in this process. Either way a rerun resumes from the last epoch in
+    --save-path."""
+    nproc = visible_accelerators() if nproc is None else nproc
+    if nproc > 1:
+        return _train_with_torchrun(argv, metrics_file, on_metrics, nproc)
+    from speculators.train.cli import main
+    from speculators.train.config import TrainConfig
+
+    cfg = TrainConfig.resolve(argv)
+    recorder = MetricsRecorder(metrics_file, on_metrics) if metrics_file else None
+    root = logging.getLogger()
+    if recorder:
+        root.addHandler(recorder)
+    try:
+        with lossless_checkpoints(), keep_log_handlers():
+            if on_accelerator():
+                main(cfg)
+            else:
+                f32 = argv_value(argv, "--hidden-states-dtype") == "float32"
+                with cpu_patches(), float32_muon() if f32 else contextlib.nullcontext():
+                    main(cfg)
+    finally:
+        if recorder:
+            root.removeHandler(recorder)
+            recorder.close()

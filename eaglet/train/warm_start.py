@@ -1,0 +1,100 @@
+"""Warm starts: which stored draft a run may continue (never one whose lineage saw its held-out prompts), what it
+loads, and the lineage record every trained draft carries."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+from eaglet.config import TrainingParams
+from eaglet.errors import EagletError
+from eaglet.train.checkpoints import last_checkpoint, read_delivered
+
+
+def check_init_dir(path: str | Path) -> None:
+    """training.init given as a path: a speculators EAGLE-3 checkpoint (config + weights), checked before any load."""
+    p = Path(path)
+    if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
+        raise EagletError(f"training.init={path} is not a speculators checkpoint directory (config.json and "
+                          "model.safetensors); use 'scratch', 'previous' or such a directory")
+
+
+def warm_start_weights(draft: Path) -> Path:
+    """What a warm start loads: the float32 epoch checkpoint a stored draft was delivered from (older drafts: the
+    last epoch) when it has one, else the directory itself (a delivered draft, bfloat16)."""
+    epochs = draft / "checkpoints"
+    if epochs.is_dir():
+        with contextlib.suppress(RuntimeError):
+            delivered = read_delivered(draft)
+            chosen = epochs / str(delivered["epoch"]) if delivered else None
+            return chosen if chosen and (chosen / "model.safetensors").is_file() else last_checkpoint(epochs)
+    return draft
+
+
+LINEAGE_FILE = "lineage.json"  # in a draft_ckpt artifact: every prompt the draft and its warm-start ancestors saw
+
+
+def write_lineage(draft: Path, train_file: Path, init: Path | None) -> dict:
+    """Record the prompts a draft trained on, with those of the draft it was warm-started from: what a later run
+    checks against its held-out prompts. An ancestor without a record leaves the lineage unknown."""
+    from eaglet.data import prompt_digests
+
+    parent = read_lineage(init) if init else {"known": True, "prompts": [], "drafts": []}
+    known = parent is not None and parent["known"]
+    record = {"known": known, "drafts": ([init.name] + parent["drafts"]) if init and parent else [],
+              "prompts": sorted(prompt_digests(train_file) | set(parent["prompts"] if parent else []))}
+    (draft / LINEAGE_FILE).write_text(json.dumps(record))
+    return record
+
+
+def read_lineage(draft: Path) -> dict | None:
+    """{"known", "drafts", "prompts"} of a draft eaglet trained (None: no record, e.g. a draft made elsewhere)."""
+    path = draft / LINEAGE_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def warm_start_decision(candidate: Path | None, held_out: set[str], explicit: bool) -> dict:
+    """Whether training may start from `candidate`: never from a draft whose lineage trained on one of the run's
+    held-out prompts (the run would then be measured on prompts its draft has seen). A draft with no lineage
+    record is refused when found automatically ('previous'); a directory the user names is taken, its overlap
+    reported as unknown."""
+    n = len(held_out)
+    if candidate is None:
+        return {"from": None, "held_out_seen": None, "reason": "no earlier draft of this shape in the store: "
+                "training from scratch"}
+    lineage = read_lineage(candidate)
+    if lineage is None or not lineage["known"]:
+        if explicit:
+            return {"from": str(candidate), "held_out_seen": None, "reason": f"warm start from {candidate}; it has "
+                    "no eaglet lineage record, so whether it saw the held-out prompts is not known"}
+        return {"from": None, "held_out_seen": None, "reason": f"refused the warm start from {candidate.name}: it "
+                "records no complete lineage (trained before eaglet kept one), so it may have trained on held-out "
+                "prompts; training from scratch"}
+    seen = len(held_out & set(lineage["prompts"]))
+    if seen:
+        return {"from": None, "held_out_seen": seen, "reason": f"refused the warm start from {candidate.name}: it or "
+                f"a draft it was warm-started from trained on {seen} of this run's {n} held-out prompts; training "
+                "from scratch"}
+    return {"from": str(candidate), "held_out_seen": 0, "reason": f"warm start from {candidate.name}; its lineage "
+            f"({len(lineage['drafts']) + 1} drafts) trained on none of the {n} held-out prompts"}
+
+
+def find_previous(drafts_dir: Path, shape: str, states: str) -> Path | None:
+    """The most recent stored draft (`drafts_dir/<key>`, manifest inputs) of this shape trained on other data
+    than `states`: a rerun over the same data finds the same draft again, so its training stays cached."""
+    best, newest = None, -1.0
+    for manifest in drafts_dir.glob("*/manifest.json") if drafts_dir.is_dir() else []:
+        m = json.loads(manifest.read_text())
+        inputs = m.get("inputs", {})
+        if inputs.get("shape") == shape and inputs.get("states") != states and m["created"] > newest:
+            best, newest = manifest.parent, m["created"]
+    return best
+
+
+def run_training(init: str | Path | None, training: TrainingParams) -> TrainingParams:
+    """The training settings a run actually uses: a warm start trains training.warm_epochs (when set) instead of
+    training.epochs."""
+    if init and training.warm_epochs:
+        return training.model_copy(update={"epochs": training.warm_epochs})
+    return training

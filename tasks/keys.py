@@ -1,0 +1,170 @@
+"""Every artifact's key in one place. A key is the digest of the artifact's inputs by content (upstream artifacts by
+their own keys, files by their rows or bytes, parameters that change what is computed), the code version and the
+store root; the same key names the artifact in the store and the task's Prefect cache entry.
+tests/test_fingerprints.py walks every parameter through these functions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import eaglet
+from eaglet import store
+from eaglet.config import RunConfig
+from eaglet.verifier import VerifierInfo
+
+
+def _key(kind: str, **inputs) -> str:
+    """Artifact key = digest of the inputs, the code version and the store root (a cache hit must point at an
+    artifact in *this* store)."""
+    return store.digest({"kind": kind, "code": eaglet.CODE_VERSION, "root": str(store.store_root()), **inputs})
+
+
+def cache_key(kind: str, key_fn, artifact: bool = True):
+    """A task's Prefect cache key: its artifact's store key. When that artifact is gone or damaged (gc, by hand)
+    the key is None, which Prefect reads as "do not use the cache": the task runs and rebuilds the artifact under
+    the same store key, instead of handing later tasks a dead path."""
+    def key(_ctx, params) -> str | None:
+        k = key_fn(**params)
+        path = store.artifact_path(kind, k)
+        if artifact and not (store.is_published(path) and store.intact(path)):
+            return None
+        return f"eaglet-{kind}-{k}"
+    return key
+
+
+def embedded_key() -> str:
+    from eaglet.embedded import gguf_identity
+
+    return _key("verifier", gguf=gguf_identity())
+
+
+def run_rows(data_file: str, cfg: RunConfig):
+    """(training rows, held-out rows, counts, the fixed held-out file or None) of a run."""
+    from eaglet.data import split_run_rows
+
+    d = cfg.data
+    return split_run_rows(data_file, d.eval_path, d.path, d.eval_fraction, d.seed, d.max_samples)
+
+
+def data_key(data_file: str, cfg: RunConfig) -> str:
+    """The rows themselves (digests, in digest order), not the file: reordering rows changes nothing, and a new
+    row changes only what it has to."""
+    from eaglet.data import row_digest
+
+    if not Path(data_file).is_file() or (cfg.data.eval_path and not Path(cfg.data.eval_path).is_file()):
+        return _key("data", missing=[data_file, cfg.data.eval_path])  # the task itself reports the problem
+    train, held, _, _ = run_rows(data_file, cfg)
+    return _key("data", train=store.digest([row_digest(m) for m in train]),
+                eval=store.digest([row_digest(m) for m in held]))
+
+
+def regen_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
+    from eaglet.capture.engine import capture_engine_dtype
+
+    d = cfg.data
+    # sampled answers: one seed per conversation (eaglet.vllm.worker.request_seeds), not one seed for all of them
+    seeding = {"seeding": "per-conversation"} if d.temperature > 0 else {}
+    return _key("responses", verifier=verifier.fingerprint, data=Path(data_dir).name, max_new_tokens=d.max_new_tokens,
+                temperature=d.temperature, n=d.responses_per_prompt, seed=d.seed, max_seq_len=d.max_seq_len,
+                engine_dtype=capture_engine_dtype(cfg), **seeding)
+
+
+def extraction_key(verifier: VerifierInfo, conversations_dir: str, cfg: RunConfig) -> str:
+    """The hf backend's artifact: hidden states of given conversations (regenerated ones or the data's own)."""
+    from eaglet.capture import CAPTURE_VERSIONS
+
+    return _key("hidden_states", verifier=verifier.fingerprint, conversations=Path(conversations_dir).name,
+                aux=verifier.aux_layer_ids, max_seq_len=cfg.data.max_seq_len, dtype=cfg.extraction.dtype,
+                extractor=CAPTURE_VERSIONS["hf"])
+
+
+def capture_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig, **_where) -> str:
+    """The vllm backend's dataset view; its rows are keyed each on its own (eaglet.capture.rows). Which engine
+    computes it, and from which plan, is not in it (an endpoint must serve this verifier's fingerprint)."""
+    from eaglet.capture.vllm import run_capture_settings
+
+    return _key("hidden_states", verifier=verifier.fingerprint, aux=verifier.aux_layer_ids,
+                data=Path(data_dir).name, settings=run_capture_settings(verifier, cfg))
+
+
+def draft_shape(verifier: VerifierInfo, cfg: RunConfig) -> str:
+    """What a warm start must share with the draft it continues: verifier, layers it reads, draft settings."""
+    from eaglet.convert import read_reference
+
+    like = read_reference(cfg.draft.like) if cfg.draft.like else None
+    return store.digest({"verifier": verifier.fingerprint, "aux": verifier.aux_layer_ids, "like": like,
+                         "draft": cfg.draft.model_dump(exclude={"like"})})
+
+
+def init_identity(init_dir: str | None) -> str | None:
+    """A stored draft is named by its content key; a directory of the user's by its weights' digest."""
+    if init_dir is None:
+        return None
+    p = Path(init_dir)
+    if p.parent == store.store_root() / "draft_ckpt":
+        return p.name
+    return store.file_sha256(p / "model.safetensors")[:16] if (p / "model.safetensors").is_file() else str(p)
+
+
+def vocab_key(verifier: VerifierInfo, states_dir: str, init_dir: str | None, cfg: RunConfig) -> str:
+    return _key("vocab", states=Path(states_dir).name, draft_vocab_size=cfg.draft.draft_vocab_size,
+                kept_from=init_identity(init_dir))
+
+
+def training_key(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_dir: str | None,
+                 cfg: RunConfig, data_dir: str | None = None) -> str:
+    """The settings training actually uses (eaglet.train.warm_start.run_training: a warm start's own epochs);
+    data_dir is not in the key: the states' key already names the data they were captured from."""
+    from importlib.metadata import version
+
+    from eaglet.convert import read_reference
+    from eaglet.train import cpu_dtype
+    from eaglet.train.warm_start import run_training
+
+    like = read_reference(cfg.draft.like) if cfg.draft.like else None  # its content, not its path
+    training = run_training(init_dir, cfg.training)
+    settings = training.model_dump(exclude={"init", "warm_epochs"}) | {
+        "cpu_dtype": cpu_dtype(training.cpu_dtype)}  # 'auto' as resolved here
+    return _key("draft_ckpt", states=Path(states_dir).name, vocab=Path(vocab_dir).name, like=like,
+                draft=cfg.draft.model_dump(exclude={"like"}), training=settings, init=init_identity(init_dir),
+                speculators=version("speculators"))
+
+
+def export_key(verifier: VerifierInfo, ckpt_dir: str, cfg: RunConfig) -> str:
+    from eaglet.convert import CONVERT_VERSION
+
+    return _key("draft_flat", ckpt=Path(ckpt_dir).name, export=cfg.export.model_dump(), convert=CONVERT_VERSION)
+
+
+def held_out_prompts(data_dir: str, cfg: RunConfig) -> str:
+    """The smoke prompts' digest: the baseline and the smoke results depend on them, not on the training rows."""
+    from eaglet.smoke import load_prompts
+
+    return store.digest(load_prompts(Path(data_dir) / "eval.jsonl", cfg.smoke.num_prompts))
+
+
+def baseline_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig, **_engine) -> str:
+    """The verifier alone on the held-out prompts: not the draft, not k, not which engine answered. The machine's
+    kind is in the key: a speed measured on other hardware is not this one's (it is re-measured there)."""
+    from eaglet.smoke import machine_kind, smoke_max_model_len
+
+    s = cfg.smoke
+    return _key("baseline", verifier=verifier.fingerprint, prompts=held_out_prompts(data_dir, cfg),
+                max_tokens=s.max_tokens, dtype=s.dtype, max_model_len=smoke_max_model_len(cfg),
+                machine=machine_kind())
+
+
+def smoke_key(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseline_dir: str, cfg: RunConfig) -> str:
+    return _key("smoke", verifier=verifier.fingerprint, draft=Path(draft_dir).name,
+                prompts=held_out_prompts(data_dir, cfg),
+                baseline=Path(baseline_dir).name, smoke=cfg.smoke.model_dump(exclude={"min_acceptance"}))
+
+
+def comparison_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
+    """Which acceptance figures compare (eaglet.report.history): same verifier, held-out prompts, smoke settings."""
+    from eaglet.report.history import comparison_key as key
+    from eaglet.smoke import load_prompts
+
+    s = cfg.smoke
+    return key(verifier.fingerprint, load_prompts(Path(data_dir) / "eval.jsonl", s.num_prompts),
+               s.num_speculative_tokens, s.max_tokens, s.dtype)
