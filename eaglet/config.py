@@ -121,6 +121,14 @@ class TrainingParams(_Section):
     warm_epochs: int | None = Field(
         None, ge=1, le=1000, description="Epochs when training starts from a previous draft (it needs fewer). "
         "Empty: training.epochs.")
+    warm_lr_fraction: float = Field(
+        1.0, gt=0, le=1.0, description="A warm start's peak learning rate as a fraction of training.lr: the draft it "
+        "continues has already decayed its own schedule, and a full restart can undo what it learned.")
+    warm_warmup_steps: int | None = Field(
+        None, ge=0, le=1_000_000, description="Linear warm-up steps of a warm start. Empty: training.warmup_steps.")
+    warm_replay_fraction: float = Field(
+        1.0, ge=0, le=1.0, description="What a warm start trains on: every row its lineage never trained on, plus "
+        "this fraction of the rows it did (the same rows every time, chosen by row key). 1: every row.")
     cpu_dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="Compute dtype when training on CPU (GPUs always use bfloat16). auto: bfloat16 where this "
         "CPU's bf16 matmuls are measured at 1.5x float32's speed or more (AMX, or native AVX-512 BF16 as on Zen 4: "

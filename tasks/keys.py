@@ -113,7 +113,8 @@ def vocab_key(verifier: VerifierInfo, states_dir: str, init_dir: str | None, cfg
 
 def training_key(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_dir: str | None,
                  cfg: RunConfig, data_dir: str | None = None) -> str:
-    """The settings training actually uses (eaglet.train.warm_start.run_training: a warm start's own epochs);
+    """The settings training actually uses (eaglet.train.warm_start.run_training: a warm start's own epochs,
+    learning rate, warm-up and replay; at their defaults, the keys of drafts trained before these levers existed);
     data_dir is not in the key: the states' key already names the data they were captured from."""
     from importlib.metadata import version
 
@@ -123,8 +124,10 @@ def training_key(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_d
 
     like = read_reference(cfg.draft.like) if cfg.draft.like else None  # its content, not its path
     training = run_training(init_dir, cfg.training)
-    settings = training.model_dump(exclude={"init", "warm_epochs"}) | {
-        "cpu_dtype": cpu_dtype(training.cpu_dtype)}  # 'auto' as resolved here
+    warm = {"init", "warm_epochs", "warm_lr_fraction", "warm_warmup_steps", "warm_replay_fraction"}
+    settings = training.model_dump(exclude=warm) | {"cpu_dtype": cpu_dtype(training.cpu_dtype)}  # 'auto' resolved
+    if init_dir and training.warm_replay_fraction < 1:  # a warm start on part of the rows
+        settings["replay_fraction"] = training.warm_replay_fraction
     return _key("draft_ckpt", states=Path(states_dir).name, vocab=Path(vocab_dir).name, like=like,
                 draft=cfg.draft.model_dump(exclude={"like"}), training=settings, init=init_identity(init_dir),
                 speculators=version("speculators"))

@@ -27,6 +27,12 @@ NOT_IN_KEYS = {
     "training.init": "enters resolved, as the warm start's identity (test_warm_start_is_in_the_training_key)",
     "training.warm_epochs": "enters as the epochs trained, when there is a warm start "
                             "(test_warm_start_is_in_the_training_key)",
+    "training.warm_lr_fraction": "enters as the learning rate a warm start trains at "
+                                  "(test_warm_start_levers_are_in_the_training_key)",
+    "training.warm_warmup_steps": "enters as the warm-up a warm start trains with "
+                                  "(test_warm_start_levers_are_in_the_training_key)",
+    "training.warm_replay_fraction": "enters when a warm start trains on part of the rows "
+                                     "(test_warm_start_levers_are_in_the_training_key)",
     "smoke.min_acceptance": "a gate on the smoke result, not a part of it: a stricter gate re-judges a cached result",
     "extraction.backend": "enters resolved ('auto' is hf or vllm), as its extractor version "
                           "(test_extraction_backend_is_in_the_key)",
@@ -217,6 +223,19 @@ def test_warm_start_is_in_the_training_key(tmp_path, verifier, data_file):
     three = cfg.model_copy(update={"training": cfg.training.model_copy(update={"warm_epochs": 3})})
     assert _chain(three, verifier, data_file, init="/store/draft_ckpt/aaaa")["draft_ckpt"] != warm["draft_ckpt"]
     assert _chain(three, verifier, data_file)["draft_ckpt"] == scratch["draft_ckpt"]  # not warm: epochs rule
+
+
+@pytest.mark.parametrize("lever,value", [("warm_lr_fraction", 0.25), ("warm_warmup_steps", 0),
+                                         ("warm_replay_fraction", 0.5), ("warm_epochs", 2)])
+def test_warm_start_levers_are_in_the_training_key(lever, value, verifier, data_file):
+    """Each lever changes a warm start's draft and nothing else: not a scratch run's key, not the vocabulary."""
+    base = RunConfig.model_validate({"training": {"init": "previous", "warm_epochs": 1}})
+    changed = base.model_copy(update={"training": base.training.model_copy(update={lever: value})})
+    warm = "/store/draft_ckpt/aaaa"
+    assert _chain(changed, verifier, data_file, init=warm)["draft_ckpt"] != \
+        _chain(base, verifier, data_file, init=warm)["draft_ckpt"]
+    assert _chain(changed, verifier, data_file, init=warm)["vocab"] == _chain(base, verifier, data_file, init=warm)["vocab"]
+    assert _chain(changed, verifier, data_file)["draft_ckpt"] == _chain(base, verifier, data_file)["draft_ckpt"]
 
 
 def test_reference_content_is_in_the_training_key(tmp_path, verifier, data_file):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +17,9 @@ from eaglet.train import acceptance
 from eaglet.train.checkpoints import (best_checkpoint, discard_incomplete_checkpoints, write_delivered,
                                       write_final_draft)
 from eaglet.train.launch import BF16_MIN_SPEEDUP, bf16_matmul_speedup, cpu_dtype, speculators_argv, train_draft
+from eaglet.capture.rows import view_rows
 from eaglet.train.metrics import METRICS_FILE, training_monitor
+from eaglet.train.replay import REPLAY_VIEW, training_view
 from eaglet.train.warm_start import run_training, warm_start_weights, write_lineage
 from eaglet.verifier import VerifierInfo
 
@@ -36,7 +39,15 @@ def train_stage(work_dir: Path, verifier: VerifierInfo, states_dir: Path, vocab_
     if cfg.draft.like and not init_dir:  # the reference draft's layer shapes instead of the verifier's
         layer_config = work_dir / "draft_layer_config.json"
         convert.write_json(layer_config, convert.reference_layer_config(convert.read_reference(cfg.draft.like)))
-    argv = speculators_argv(verifier.path, states_dir, vocab_dir, work, verifier.aux_layer_ids,
+    data_path = states_dir
+    shutil.rmtree(work_dir / REPLAY_VIEW, ignore_errors=True)  # a resumed attempt rebuilds the same view
+    if init_dir and training.warm_replay_fraction < 1:
+        view = training_view(states_dir, init_dir, training.warm_replay_fraction, work_dir / REPLAY_VIEW)
+        if view:
+            data_path = work_dir / REPLAY_VIEW
+            log.info(f"warm start trains on {view['rows']} rows: {view['new']} its lineage never saw and "
+                     f"{view['replayed']} replayed (training.warm_replay_fraction {training.warm_replay_fraction})")
+    argv = speculators_argv(verifier.path, data_path, vocab_dir, work, verifier.aux_layer_ids,
                             cfg.draft.draft_vocab_size, cfg.draft, training, verifier.trust_remote_code,
                             draft_config=layer_config, multimodal=verifier.nested_text_config,
                             states_dtype=cfg.extraction.dtype,
@@ -53,12 +64,13 @@ def train_stage(work_dir: Path, verifier: VerifierInfo, states_dir: Path, vocab_
                  f"({predicted:.3f}): it is the draft")
     write_final_draft(best, work_dir)
     write_delivered(work_dir, best, predicted)
-    write_lineage(work_dir, train_file, init_dir)
+    write_lineage(work_dir, train_file, init_dir, view_rows(states_dir)["rows"] or None)
     try:  # what vLLM should measure: decoding simulated on the validation rows (eaglet.train.acceptance)
         sim = acceptance.write(best, argv, work_dir / "acceptance.json")
     except Exception as e:  # a figure for the report, not a reason to lose the training
         log.warning(f"could not simulate decoding on the validation rows: {type(e).__name__}: {e}")
-        return None
+        sim = None
+    shutil.rmtree(work_dir / REPLAY_VIEW, ignore_errors=True)  # links only: the rows stay in the store
     if sim:
         log.info(f"decoding simulated on {sim['rows']} validation rows: acceptance length "
                  f"{sim['chain_in_vocab']:.3f} (the position average {sim['position_average']:.3f})")

@@ -35,15 +35,20 @@ def warm_start_weights(draft: Path) -> Path:
 LINEAGE_FILE = "lineage.json"  # in a draft_ckpt artifact: every prompt the draft and its warm-start ancestors saw
 
 
-def write_lineage(draft: Path, train_file: Path, init: Path | None) -> dict:
+def write_lineage(draft: Path, train_file: Path, init: Path | None, rows: list[str] | None = None) -> dict:
     """Record the prompts a draft trained on, with those of the draft it was warm-started from: what a later run
-    checks against its held-out prompts. An ancestor without a record leaves the lineage unknown."""
+    checks against its held-out prompts. An ancestor without a record leaves the lineage unknown. rows: the row
+    keys of its states (what a later warm start's replay counts as seen)."""
     from eaglet.data import prompt_digests
 
     parent = read_lineage(init) if init else {"known": True, "prompts": [], "drafts": []}
     known = parent is not None and parent["known"]
     record = {"known": known, "drafts": ([init.name] + parent["drafts"]) if init and parent else [],
               "prompts": sorted(prompt_digests(train_file) | set(parent["prompts"] if parent else []))}
+    if rows is not None:
+        from eaglet.train.replay import seen_rows
+
+        record["rows"] = sorted(set(rows) | (seen_rows(init) if init else set()))
     (draft / LINEAGE_FILE).write_text(json.dumps(record))
     return record
 
@@ -93,8 +98,13 @@ def find_previous(drafts_dir: Path, shape: str, states: str) -> Path | None:
 
 
 def run_training(init: str | Path | None, training: TrainingParams) -> TrainingParams:
-    """The training settings a run actually uses: a warm start trains training.warm_epochs (when set) instead of
-    training.epochs."""
-    if init and training.warm_epochs:
-        return training.model_copy(update={"epochs": training.warm_epochs})
-    return training
+    """The training settings a run actually uses. A warm start trains training.warm_epochs (when set) at
+    warm_lr_fraction of the learning rate, with warm_warmup_steps (when set); from scratch, training as given."""
+    if not init:
+        return training
+    update: dict = {"lr": training.lr * training.warm_lr_fraction}
+    if training.warm_epochs:
+        update["epochs"] = training.warm_epochs
+    if training.warm_warmup_steps is not None:
+        update["warmup_steps"] = training.warm_warmup_steps
+    return training.model_copy(update=update)
