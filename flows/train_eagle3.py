@@ -17,7 +17,7 @@ from eaglet.data import DEFAULT_PROMPTS
 from eaglet.errors import EagletError
 from eaglet.store import in_use, is_published
 from tasks import stages
-from tasks.keys import comparison_key
+from tasks.keys import comparison_key, refreshed
 from tasks.report import report_and_promote
 
 
@@ -25,7 +25,7 @@ def _run(timings: dict, held: contextlib.ExitStack, name: str, task, *args):
     """Call a task, record its final state and wall time, and return its result. An artifact it returns stays
     marked in use until the flow ends, so `eaglet cache gc` cannot delete it between two tasks."""
     started, t0 = time.time(), time.perf_counter()
-    state = task(*args, return_state=True)
+    state = refreshed(task, *args)(*args, return_state=True)
     result = state.result()  # raises the task's exception if it failed
     timings[name] = {"state": state.name, "seconds": round(time.perf_counter() - t0, 2), "started": started,
                      "result": result}

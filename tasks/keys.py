@@ -20,16 +20,28 @@ def _key(kind: str, **inputs) -> str:
 
 
 def cache_key(kind: str, key_fn, artifact: bool = True):
-    """A task's Prefect cache key: its artifact's store key. When that artifact is gone or damaged (gc, by hand)
-    the key is None, which Prefect reads as "do not use the cache": the task runs and rebuilds the artifact under
-    the same store key, instead of handing later tasks a dead path."""
-    def key(_ctx, params) -> str | None:
-        k = key_fn(**params)
-        path = store.artifact_path(kind, k)
-        if artifact and not (store.is_published(path) and store.intact(path)):
-            return None
-        return f"eaglet-{kind}-{k}"
+    """A task's Prefect cache key: its artifact's store key. `artifact_missing` (read by `refreshed`) says when that
+    artifact is gone or damaged (gc, by hand), so the cached result would hand later tasks a dead path."""
+    def key(_ctx, params) -> str:
+        return f"eaglet-{kind}-{key_fn(**params)}"
+
+    def artifact_missing(params) -> bool:
+        path = store.artifact_path(kind, key_fn(**params))
+        return artifact and not (store.is_published(path) and store.intact(path))
+
+    key.artifact_missing = artifact_missing
     return key
+
+
+def refreshed(task, *args):
+    """The task to call with these arguments: as defined, or, when its artifact is gone, with Prefect's
+    refresh_cache, so it runs, rebuilds the artifact under the same store key and overwrites its cache record."""
+    import inspect
+
+    missing = getattr(task.cache_key_fn, "artifact_missing", None)
+    if missing and missing(inspect.signature(task.fn).bind(*args).arguments):
+        return task.with_options(refresh_cache=True)
+    return task
 
 
 def embedded_key() -> str:
