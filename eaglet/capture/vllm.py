@@ -98,6 +98,18 @@ def _complete(client, engine: Engine, req: dict, gen: dict | None) -> dict:
             "generated": out.get("usage", {}).get("completion_tokens", 0)}
 
 
+def _answer(future, poll: float = 10.0) -> dict:
+    """future.result(), waited for in short timed waits. Seen once in the test suite (2026-12-05, 2 cores): a pass
+    stood still for 12 minutes at one row while every later request had been answered, and went on the moment a
+    profiler attached to the client process; a timed wait looks again by itself. (httpx's REQUEST_TIMEOUT still
+    bounds the request.)"""
+    while True:
+        try:
+            return future.result(timeout=poll)
+        except TimeoutError:
+            continue
+
+
 def _load(path: str) -> dict:
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
         cleanup_hidden_states,
@@ -247,7 +259,7 @@ def generate_and_capture(engine: Engine | None, tokenizer_path: str, conversatio
                 for count, key in enumerate(todo, 1):
                     samples = []
                     for j, req in enumerate(planned[key]):
-                        answer = futures.pop((key, j)).result()
+                        answer = _answer(futures.pop((key, j)))
                         ids, mask, hs = _sample(req, _load(answer["path"]), max_seq_len, regenerate)
                         samples.append({"input_ids": ids, "loss_mask": mask, "hidden_states": hs,
                                         "response": answer["text"] if regenerate else None})
