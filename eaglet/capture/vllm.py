@@ -99,10 +99,9 @@ def _complete(client, engine: Engine, req: dict, gen: dict | None) -> dict:
 
 
 def _answer(future, poll: float = 10.0) -> dict:
-    """future.result(), waited for in short timed waits. Seen once in the test suite (2026-12-05, 2 cores): a pass
-    stood still for 12 minutes at one row while every later request had been answered, and went on the moment a
-    profiler attached to the client process; a timed wait looks again by itself. (httpx's REQUEST_TIMEOUT still
-    bounds the request.)"""
+    """future.result(), waited for in short timed waits: a pass has been seen standing still at one row while every
+    later request had been answered, until a profiler attached to the client process woke it; a timed wait looks
+    again by itself. (httpx's REQUEST_TIMEOUT still bounds the request.)"""
     while True:
         try:
             return future.result(timeout=poll)
