@@ -41,11 +41,6 @@ NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"
 # What each format assumes when a flag is absent: speculators' Eagle3SpeculatorConfig vs vLLM's flat loader.
 SPECULATORS_DEFAULTS = {"norm_before_residual": True, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
 VLLM_FLAT_DEFAULTS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
-LAYER_WEIGHTS = (
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-    "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
-)
 
 
 # --- reading checkpoints ------------------------------------------------------------------------------------
