@@ -300,7 +300,8 @@ def _decode_pair(job: dict) -> dict:
     """bench.decode_pair in a vLLM child process (eaglet.vllm.run_job: its own session, stopped with it)."""
     from eaglet.vllm import run_job
 
-    return run_job(job, module="bench.decode_pair")
+    # vLLM's own thread binding ("auto"), as the pair was measured with: the batch-1 check has no tolerance
+    return run_job(job, module="bench.decode_pair", env={"VLLM_CPU_OMP_THREADS_BIND": "auto"})
 
 
 BATCHED_TIMING_NOISE = 0.05  # the batched rows are one pass each, not repeated or interleaved
