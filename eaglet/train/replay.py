@@ -9,6 +9,7 @@ from pathlib import Path
 
 from eaglet import store
 from eaglet.capture.rows import assemble, view_rows
+from eaglet.train.warm_start import read_lineage
 
 REPLAY_VIEW = "replay_view"  # in a draft_ckpt work dir while it trains; removed once the draft is delivered
 
@@ -16,8 +17,7 @@ REPLAY_VIEW = "replay_view"  # in a draft_ckpt work dir while it trains; removed
 def seen_rows(draft: Path) -> set[str]:
     """Row keys a stored draft and its warm-start ancestors trained on: its lineage's record, or, for a draft
     trained before lineages kept rows, its manifest chain (the states view it trained on, then its own init)."""
-    lineage = draft / "lineage.json"
-    record = json.loads(lineage.read_text()) if lineage.is_file() else {}
+    record = read_lineage(draft) or {}
     if "rows" in record:
         return set(record["rows"])
     manifest = draft / store.MANIFEST
@@ -43,8 +43,7 @@ def training_view(states_dir: Path, init: Path, fraction: float, out: Path) -> d
     seen = seen_rows(init) if fraction < 1 and rows else set()
     if not seen & set(rows):
         return None
-    new = [k for k in rows if k not in seen]
-    kept = [k for k in rows if k in seen and replayed(k, fraction)]
     chosen = [k for k in rows if k not in seen or replayed(k, fraction)]
+    new = sum(1 for k in rows if k not in seen)
     assemble(out, chosen, set())
-    return {"rows": len(chosen), "new": len(new), "replayed": len(kept)}
+    return {"rows": len(chosen), "new": new, "replayed": len(chosen) - new}
