@@ -150,6 +150,7 @@ def _last(events, name) -> tuple[float, float]:
 
 def pipeline_pass(home: Path, r: int, info, data_dir: str, cfg, clock: CaptureClock) -> dict:
     """eaglet's two data tasks in the running flow, fresh store (so the pass builds), engine stopped after."""
+    from eaglet.capture.engine import stop_for_run
     from tasks import stages as t
 
     os.environ["EAGLET_HOME"] = str(home / f"dp{r}")
@@ -160,7 +161,7 @@ def pipeline_pass(home: Path, r: int, info, data_dir: str, cfg, clock: CaptureCl
         states = t.generate_and_capture.with_options(refresh_cache=True)(info, data_dir, engine, None, cfg)
         t2 = time.perf_counter()
     finally:
-        t.stop_verifier(engine)
+        stop_for_run(engine)
     ev = clock.take()
     stats = json.loads((Path(states) / "stats.json").read_text())
     texts = [json.loads(line)["messages"][-1]["content"]

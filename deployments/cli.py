@@ -213,7 +213,7 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     from eaglet.config import load_config
     from eaglet.verifier import resolve_verifier
     from eaglet.capture.engine import started_engine_max_model_len
-    from tasks.keys import embedded_key
+    from eaglet.keys import embedded_key
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_config(args.config, args.set)

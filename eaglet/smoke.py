@@ -158,3 +158,21 @@ def smoke_test(
         accepted_tokens=counts["accepted"],
         mismatched_prompts=mismatched,
     )
+
+
+def held_out_prompts(data_dir: str | Path, cfg) -> list[list[dict]]:
+    """The smoke test's prompts: the first smoke.num_prompts held-out rows of a run's data artifact."""
+    return load_prompts(Path(data_dir) / "eval.jsonl", cfg.smoke.num_prompts)
+
+
+def baseline_for_run(out: Path, verifier: str, data_dir: str | Path, cfg) -> dict:
+    s = cfg.smoke
+    return measure_baseline(verifier, held_out_prompts(data_dir, cfg), out, max_tokens=s.max_tokens,
+                            max_model_len=smoke_max_model_len(cfg), dtype=s.dtype, load_format=s.load_format)
+
+
+def smoke_for_run(verifier: str, draft: str, data_dir: str | Path, baseline_dir: str | Path, cfg) -> SmokeResult:
+    s = cfg.smoke
+    return smoke_test(verifier, draft, held_out_prompts(data_dir, cfg), k=s.num_speculative_tokens,
+                      max_tokens=s.max_tokens, max_model_len=smoke_max_model_len(cfg), dtype=s.dtype,
+                      load_format=s.load_format, baseline=read_baseline(baseline_dir))

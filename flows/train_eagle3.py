@@ -11,13 +11,14 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from eaglet.capture import run_backend
-from eaglet.capture.engine import baseline_engine_fits
+from eaglet.capture.engine import baseline_engine_fits, stop_for_run
 from eaglet.config import RunConfig
 from eaglet.data import DEFAULT_PROMPTS
 from eaglet.errors import EagletError
 from eaglet.store import in_use, is_published
 from tasks import stages
-from tasks.keys import comparison_key, refreshed
+from eaglet.keys import comparison_key
+from tasks.cache import refreshed
 from tasks.report import report_and_promote
 
 
@@ -57,7 +58,7 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
                 engine = None
                 if plan["to_compute"]:  # one verifier load, only for rows the store does not hold
                     engine = run("load-verifier", stages.load_verifier, verifier, params)
-                    engine_up.callback(stages.stop_verifier, engine)
+                    engine_up.callback(stop_for_run, engine)
                 states_dir = run("generate-and-capture", stages.generate_and_capture, verifier, data_dir, engine,
                                  plan["plan"], params)
                 if baseline_engine_fits(engine, params):  # the smoke test's baseline while the engine is up

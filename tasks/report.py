@@ -14,7 +14,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 
 from eaglet.config import RunConfig
 from eaglet.report import write_outputs
-from eaglet.report.history import history, when
+from eaglet.report.history import history_table
 from eaglet.report.loads import engine_loads
 from eaglet.verifier import VerifierInfo
 
@@ -62,15 +62,10 @@ def publish_report(output_dir: str) -> list[str]:
                         f"mean acceptance length {smoke['mean_acceptance_length']:.3f}",
         )
         keys.append("acceptance-per-position")
-    hist = history(out)
+    hist = history_table(out)
     if hist:
         create_table_artifact(
-            key="draft-history",
-            table=[{"finished": when(h["finished"]), "draft": h["draft"],
-                    "mean acceptance": round(h["acceptance"], 4) if h["acceptance"] is not None else None,
-                    "per position": ", ".join(f"{a:.3f}" for a in h["per_position"] or []),
-                    "lossless": h["lossless"], "rows": h["training_rows"], "warm start": "yes" if h["init"] else "no",
-                    "current": "yes" if h["current"] else ""} for h in hist],
+            key="draft-history", table=hist,
             description=f"every draft kept in {out / 'drafts'}, oldest first; {out / 'current'} serves: "
                         f"{(report.get('promotion') or {}).get('reason', '')}",
         )

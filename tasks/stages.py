@@ -1,23 +1,22 @@
-"""Prefect tasks: thin wrappers over the eaglet stages. Each adds its cache key (tasks.keys: the same key names its
-artifact in the store), retries where a failure can be transient, progress and log lines, and returns a small
+"""Prefect tasks: thin wrappers over the eaglet stages. Each adds its cache key (eaglet.keys: the same key names
+its artifact in the store), retries where a failure can be transient, progress and log lines, and returns a small
 reference (a path and a few numbers), never a model or a tensor."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 from prefect import get_run_logger, task
 
-from eaglet import capture, data, smoke, store, train
+from eaglet import capture, data, smoke, store
 from eaglet.capture import engine as engines, vllm as capture_vllm
 from eaglet.config import RunConfig
 from eaglet.errors import EagletError
 from eaglet.verifier import VerifierInfo
-from tasks import keys
-from tasks.keys import cache_key
+from eaglet import keys
+from tasks.cache import cache_key
 from tasks.progress import Progress
 
 
@@ -108,13 +107,9 @@ def plan_capture(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> dict:
     view = store.artifact_path("hidden_states", key)
     if store.is_published(view) and store.intact(view):
         return {"to_compute": 0, "plan": None}
-    planned, skipped = capture_vllm.plan_rows(verifier.path, Path(data_dir) / "train.jsonl", verifier.fingerprint,
-                                              capture_vllm.run_capture_settings(verifier, cfg),
-                                              verifier.trust_remote_code)
     plan = store.store_root() / ".plans" / f"{key}-{os.getpid()}.json"
-    capture_vllm.write_plan(plan, planned, skipped)
-    todo = len(capture_vllm.rows_to_compute(planned))
-    get_run_logger().info(f"{len(planned)} training rows: {todo} for the verifier, {len(planned) - todo} known")
+    rows, todo = capture_vllm.plan_for_run(verifier, data_dir, cfg, plan)
+    get_run_logger().info(f"{rows} training rows: {todo} for the verifier, {rows - todo} known")
     return {"to_compute": todo, "plan": str(plan)}
 
 
@@ -134,33 +129,20 @@ def load_verifier(verifier: VerifierInfo, cfg: RunConfig) -> engines.Engine:
     return engine
 
 
-def stop_verifier(engine: engines.Engine | None) -> None:
-    """Stop an engine this run started (a no-op for an attached endpoint) and drop its scratch."""
-    if engine is not None and engine.pid is not None:
-        engines.stop_engine(engine)
-        shutil.rmtree(engine.storage, ignore_errors=True)
-
-
 @task(name="generate-and-capture", cache_key_fn=cache_key("hidden_states", keys.capture_key), persist_result=True,
       retries=1, retry_delay_seconds=10, retry_condition_fn=_not_user_error)
 def generate_and_capture(verifier: VerifierInfo, data_dir: str, engine, plan: str | None, cfg: RunConfig) -> str:
     """One pass through the engine over the planned rows the store does not hold yet (the verifier answers each
     training prompt and its hidden states over prompt + answer are saved in the same requests; without
     data.regenerate, the given conversations prefill-only); then the run's dataset view of all its rows."""
-    log, d = get_run_logger(), cfg.data
     inputs: dict = {}  # filled by build, written into the manifest after it: the rows the view links
 
     def build(work: Path) -> dict[str, str]:  # runs only if the view is not already published
-        progress = Progress("capture", "generating and capturing" if d.regenerate else "capturing", "rows")
-        stats = capture_vllm.generate_and_capture(
-            engine, verifier.path, Path(data_dir) / "train.jsonl", work,
-            engines.capture_layers(verifier.aux_layer_ids, verifier.num_layers), d.max_seq_len, cfg.extraction.dtype,
-            d.regenerate, d.max_new_tokens, d.temperature, d.responses_per_prompt, d.seed, verifier.trust_remote_code,
-            progress, fingerprint=verifier.fingerprint, engine_dtype=engines.capture_engine_dtype(cfg),
-            plan=Path(plan) if plan else None)
+        progress = Progress("capture", "generating and capturing" if cfg.data.regenerate else "capturing", "rows")
+        stats = capture_vllm.capture_for_run(engine, verifier, data_dir, work, cfg, progress, plan)
         progress.close()
         inputs["links"] = {"rows": stats.pop("rows_linked")}
-        log.info(capture_vllm.summary(stats))
+        get_run_logger().info(capture_vllm.summary(stats))
         return _stats(work, stats)
 
     with store.in_use(data_dir):
@@ -175,13 +157,9 @@ def generate_and_capture(verifier: VerifierInfo, data_dir: str, engine, plan: st
 def baseline_from_capture_engine(verifier: VerifierInfo, data_dir: str, engine, cfg: RunConfig) -> str:
     """verifier-baseline's artifact (same key) from the engine the data pass already loaded: its greedy answers to
     the held-out prompts, so the smoke test starts one engine, the one with the draft."""
-    s = cfg.smoke
-
     def build(tmp: Path) -> None:
-        prompts = smoke.load_prompts(Path(data_dir) / "eval.jsonl", s.num_prompts)
-        answers = capture_vllm.greedy_answers(engine, verifier.path, prompts, s.max_tokens, verifier.trust_remote_code)
-        b = smoke.write_baseline(tmp, answers, engine="capture")
-        get_run_logger().info(f"verifier alone (the capture engine, no load of its own): {len(prompts)} held-out "
+        b = capture_vllm.baseline_from_engine(tmp, engine, verifier, data_dir, cfg)
+        get_run_logger().info(f"verifier alone (the capture engine, no load of its own): {b['num_prompts']} held-out "
                               f"prompts, {b['output_tokens']} tokens at {b['tokens_per_s']:.0f} tokens/s")
 
     with store.in_use(data_dir):
@@ -194,16 +172,11 @@ def baseline_from_capture_engine(verifier: VerifierInfo, data_dir: str, engine, 
       retries=2, retry_delay_seconds=[10, 60], retry_condition_fn=_not_user_error)
 def regenerate_responses(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
     """Answer every training prompt with the verifier in vLLM: DIR/train.jsonl."""
-    from eaglet.capture.regenerate import regenerate_responses as regenerate
-
-    d = cfg.data
+    from eaglet.capture.regenerate import regenerate_for_run
 
     def build(tmp: Path) -> None:
         progress = Progress("regeneration", "regenerating responses", "conversations")
-        stats = regenerate(verifier.path, Path(data_dir) / "train.jsonl", tmp / "train.jsonl", d.max_new_tokens,
-                           max_model_len=d.max_seq_len + d.max_new_tokens, temperature=d.temperature,
-                           responses_per_prompt=d.responses_per_prompt, seed=d.seed, progress=progress,
-                           dtype=engines.capture_engine_dtype(cfg))
+        stats = regenerate_for_run(verifier, data_dir, tmp / "train.jsonl", cfg, progress)
         progress.close()
         _stats(tmp, stats)
         get_run_logger().info(f"regenerated {stats['output_tokens']} tokens at {stats['tokens_per_s']:.0f} tokens/s")
@@ -217,18 +190,16 @@ def extract_hidden_states(verifier: VerifierInfo, conversations_dir: str, cfg: R
     """Out of memory: retried (in this process, memory already released) with half the batch each time."""
     from prefect.runtime import task_run
 
-    from eaglet.capture.hf import extract_hidden_states as extract
+    from eaglet.capture.hf import extract_for_run
 
-    e, log = cfg.extraction, get_run_logger()
-    batch_size = max(1, e.batch_size // 2 ** (max(1, task_run.run_count or 1) - 1))
-    if batch_size != e.batch_size:
+    log = get_run_logger()
+    batch_size = max(1, cfg.extraction.batch_size // 2 ** (max(1, task_run.run_count or 1) - 1))
+    if batch_size != cfg.extraction.batch_size:
         log.warning(f"attempt {task_run.run_count} after running out of memory: batch size {batch_size}")
 
     def build(work: Path) -> dict[str, str]:
         progress = Progress("extraction", "extracting hidden states", "shards")
-        stats = extract(verifier.path, Path(conversations_dir) / "train.jsonl", work, verifier.aux_layer_ids,
-                        cfg.data.max_seq_len, batch_size, e.dtype, e.device, verifier.trust_remote_code, progress,
-                        workers=e.workers, scheduler=e.scheduler_address)
+        stats = extract_for_run(verifier, conversations_dir, work, cfg, batch_size, progress)
         progress.close()
         log.info(f"extracted {stats['extracted_tokens']} tokens at {stats['tokens_per_s']:.0f} tokens/s "
                  f"({stats['resumed_shards']} of {stats['shards']} shards resumed)")
@@ -245,14 +216,13 @@ def extract_hidden_states(verifier: VerifierInfo, conversations_dir: str, cfg: R
 def find_warm_start(verifier: VerifierInfo, states_dir: str, data_dir: str, cfg: RunConfig) -> dict:
     """training.init resolved: {"requested", "from": a checkpoint directory or None (scratch), "reason",
     "held_out_seen"} (eaglet.train.warm_start: never a draft whose lineage saw a held-out prompt)."""
-    init = cfg.training.init
-    candidate = (train.find_previous(store.store_root() / "draft_ckpt", keys.draft_shape(verifier, cfg),
-                                     Path(states_dir).name) if init == "previous" else Path(init).resolve())
-    decision = train.warm_start_decision(candidate, data.prompt_digests(Path(data_dir) / "eval.jsonl"),
-                                         explicit=init != "previous")
+    from eaglet.train.warm_start import resolve_init
+
+    decision = resolve_init(cfg.training.init, store.store_root() / "draft_ckpt", keys.draft_shape(verifier, cfg),
+                            Path(states_dir).name, data.prompt_digests(Path(data_dir) / "eval.jsonl"))
     log = get_run_logger()
     (log.info if decision["from"] else log.warning)(decision["reason"])
-    return {"requested": init, **decision}
+    return decision
 
 
 @task(name="build-vocab", cache_key_fn=cache_key("vocab", keys.vocab_key), persist_result=True)
@@ -321,12 +291,8 @@ def validate_draft(verifier: VerifierInfo, draft_dir: str) -> list[str]:
 def verifier_baseline(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
     """The verifier alone in vLLM on the held-out prompts (greedy token ids, tokens/s), once per verifier, prompts
     and machine kind: every later draft's smoke test starts one engine, the one with the draft."""
-    s = cfg.smoke
-
     def build(tmp: Path) -> None:
-        b = smoke.measure_baseline(verifier.path, smoke.load_prompts(Path(data_dir) / "eval.jsonl", s.num_prompts),
-                                   tmp, max_tokens=s.max_tokens, max_model_len=smoke.smoke_max_model_len(cfg),
-                                   dtype=s.dtype, load_format=s.load_format)
+        b = smoke.baseline_for_run(tmp, verifier.path, data_dir, cfg)
         get_run_logger().info(f"verifier alone: {b['tokens_per_s']:.0f} tokens/s on {b['machine']['cpu']} "
                               f"{b['machine']['gpus']}".rstrip())
 
@@ -338,12 +304,8 @@ def verifier_baseline(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> 
       retries=1, retry_delay_seconds=10, retry_condition_fn=_not_user_error)
 def smoke_test(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseline_dir: str, cfg: RunConfig) -> dict:
     """One vLLM engine: the verifier with the draft, compared with the kept baseline (lossless, tokens/s)."""
-    s = cfg.smoke
     with store.in_use(baseline_dir):
-        result = smoke.smoke_test(verifier.path, draft_dir, smoke.load_prompts(Path(data_dir) / "eval.jsonl",
-                                  s.num_prompts), k=s.num_speculative_tokens, max_tokens=s.max_tokens,
-                                  max_model_len=smoke.smoke_max_model_len(cfg), dtype=s.dtype,
-                                  load_format=s.load_format, baseline=smoke.read_baseline(baseline_dir))
-    get_run_logger().info(f"mean acceptance length {result.mean_acceptance_length:.3f} at k={s.num_speculative_tokens}"
+        result = smoke.smoke_for_run(verifier.path, draft_dir, data_dir, baseline_dir, cfg)
+    get_run_logger().info(f"mean acceptance length {result.mean_acceptance_length:.3f} at k={result.num_speculative_tokens}"
                           f", lossless={result.lossless} (verifier alone measured {result.baseline_measured})")
     return result.model_dump()

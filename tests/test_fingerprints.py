@@ -15,7 +15,7 @@ from eaglet.verifier import VerifierInfo
 from eaglet.capture import run_backend
 from eaglet.capture.engine import capture_engine_dtype
 from eaglet.capture.vllm import run_capture_settings
-from tasks import keys as key_fns
+from eaglet import keys as key_fns
 
 # Parameters that reach the artifacts another way, or change how they are computed and not what they are.
 NOT_IN_KEYS = {

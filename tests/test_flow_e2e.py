@@ -7,7 +7,7 @@ import pytest
 from safetensors import safe_open
 
 from eaglet.convert import flatten, validate
-from eaglet.smoke import load_prompts, smoke_test
+from eaglet.smoke import load_prompts, read_baseline, smoke_test
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.e2e
@@ -62,7 +62,8 @@ def test_flat_draft_is_what_vllm_expects(e2e_run, tiny_verifier):
 
 
 def test_trained_draft_beats_untrained(e2e_run, tiny_verifier, session_dir):
-    """An untrained draft (speculators' own initialisation, same shapes) accepts almost nothing."""
+    """An untrained draft (speculators' own initialisation, same shapes) accepts almost nothing. Against the run's
+    kept baseline: one engine, the one with the untrained draft."""
     from eaglet.train import train_draft
 
     ckpt = Path(e2e_run["report"]["artifacts"]["checkpoint"])
@@ -74,7 +75,8 @@ def test_trained_draft_beats_untrained(e2e_run, tiny_verifier, session_dir):
     flat = untrained / "flat"
     flatten(save, flat, str(tiny_verifier))
     prompts = load_prompts(Path(e2e_run["report"]["artifacts"]["data"]) / "eval.jsonl", 16)
-    base = smoke_test(str(tiny_verifier), str(flat), prompts, k=3, max_tokens=48)
+    base = smoke_test(str(tiny_verifier), str(flat), prompts, k=3, max_tokens=48,
+                      baseline=read_baseline(e2e_run["report"]["artifacts"]["baseline"]))
     trained = e2e_run["report"]["smoke"]["mean_acceptance_length"]
     assert base.lossless
     assert trained > base.mean_acceptance_length + 0.5, (trained, base.mean_acceptance_length)
@@ -132,16 +134,23 @@ def test_smoke_command_alone(e2e_run, tiny_verifier, tmp_path):
 
 
 def test_flat_and_nested_forms_are_the_same_draft_in_vllm(e2e_run, tiny_verifier):
-    """vLLM loads both forms; the converter must not change a single greedy token or acceptance count."""
+    """vLLM loads both forms; the converter must not change a single greedy token or acceptance count. The flat
+    form's figures are the run's own smoke test (same prompts, job and engine settings): one engine here."""
+    from eaglet.config import load_config
+    from eaglet.smoke import _job, smoke_max_model_len
     from eaglet.vllm import run_job
 
-    prompts = load_prompts(Path(e2e_run["report"]["artifacts"]["data"]) / "eval.jsonl", 16)
-    job = {"verifier": str(tiny_verifier), "conversations": prompts, "max_tokens": 48, "max_model_len": 512,
-           "temperature": 0.0, "dtype": "float32", "k": 3}
-    flat = run_job(dict(job, draft=str(e2e_run["out"] / "draft")))
-    nested = run_job(dict(job, draft=str(e2e_run["out"] / "draft-speculators")))
-    assert flat["token_ids"] == nested["token_ids"]
-    assert flat["spec"] == nested["spec"] and flat["spec"]["accepted"] > 0
+    r = e2e_run["report"]
+    cfg = load_config(None, [s.removeprefix("--set=") for s in e2e_run["sets"]])
+    prompts = load_prompts(Path(r["artifacts"]["data"]) / "eval.jsonl", cfg.smoke.num_prompts)
+    job = _job(str(tiny_verifier), prompts, cfg.smoke.max_tokens, smoke_max_model_len(cfg), cfg.smoke.dtype,
+               cfg.smoke.load_format)
+    nested = run_job(dict(job, draft=str(e2e_run["out"] / "draft-speculators"), k=cfg.smoke.num_speculative_tokens))
+    flat = r["smoke"]  # the flat draft in the same job: the run's smoke-test
+    assert nested["token_ids"] == read_baseline(r["artifacts"]["baseline"])["token_ids"] and flat["lossless"]
+    c = nested["spec"]
+    assert (c["drafts"], c["accepted"]) == (flat["drafts"], flat["accepted_tokens"]) and c["accepted"] > 0
+    assert [a / c["drafts"] for a in c["accepted_per_pos"]] == flat["acceptance_per_position"]
 
 
 NEW_PROMPTS = ["Name three uses of a paperclip.", "What is 17 times 3?", "Write a two-line poem about fog.",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -272,6 +273,13 @@ def start_for_run(verifier, cfg: RunConfig, storage: Path) -> Engine:
     return start_engine(verifier.path, verifier.fingerprint, capture_layers(verifier.aux_layer_ids,
                         verifier.num_layers), storage, started_engine_max_model_len(cfg), e.tensor_parallel_size,
                         e.device, verifier.trust_remote_code, dtype=capture_engine_dtype(cfg))
+
+
+def stop_for_run(engine: Engine | None) -> None:
+    """Stop an engine this run started (a no-op for an attached endpoint) and drop its scratch."""
+    if engine is not None and engine.pid is not None:
+        stop_engine(engine)
+        shutil.rmtree(engine.storage, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -97,3 +97,11 @@ def extract_hidden_states(
     if worker_loads is not None:
         stats["worker_verifier_loads"] = worker_loads
     return stats
+
+
+def extract_for_run(verifier, conversations_dir: str, out: Path, cfg, batch_size: int, progress=None) -> dict:
+    """extract_hidden_states with a run's settings (batch_size: the task's, halved after running out of memory)."""
+    e = cfg.extraction
+    return extract_hidden_states(verifier.path, Path(conversations_dir) / "train.jsonl", out, verifier.aux_layer_ids,
+                                 cfg.data.max_seq_len, batch_size, e.dtype, e.device, verifier.trust_remote_code,
+                                 progress, workers=e.workers, scheduler=e.scheduler_address)

@@ -48,3 +48,14 @@ def regenerate_responses(
         "tokens_per_s": result["tokens_per_s"],
         "load_seconds": result["load_seconds"],
     }
+
+
+def regenerate_for_run(verifier, data_dir: str, out_file: Path, cfg, progress=None) -> dict:
+    """regenerate_responses with a run's settings: every training row of the data artifact answered."""
+    from eaglet.capture.engine import capture_engine_dtype
+
+    d = cfg.data
+    return regenerate_responses(verifier.path, Path(data_dir) / "train.jsonl", out_file, d.max_new_tokens,
+                                max_model_len=d.max_seq_len + d.max_new_tokens, temperature=d.temperature,
+                                responses_per_prompt=d.responses_per_prompt, seed=d.seed, progress=progress,
+                                dtype=capture_engine_dtype(cfg))

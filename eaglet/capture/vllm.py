@@ -309,6 +309,39 @@ def generate_and_capture(engine: Engine | None, tokenizer_path: str, conversatio
     }
 
 
+def plan_for_run(verifier, data_dir: str, cfg, plan_file: Path) -> tuple[int, int]:
+    """Tokenize a run's training rows once into the plan generate_and_capture sends: (rows, rows to compute)."""
+    planned, skipped = plan_rows(verifier.path, Path(data_dir) / "train.jsonl", verifier.fingerprint,
+                                 run_capture_settings(verifier, cfg), verifier.trust_remote_code)
+    write_plan(plan_file, planned, skipped)
+    return len(planned), len(rows_to_compute(planned))
+
+
+def capture_for_run(engine: Engine | None, verifier, data_dir: str, out: Path, cfg, progress,
+                    plan: str | None) -> dict:
+    """generate_and_capture with a run's settings (plan: plan_for_run's file, if the run made one)."""
+    from eaglet.capture.engine import capture_engine_dtype, capture_layers
+
+    d = cfg.data
+    return generate_and_capture(
+        engine, verifier.path, Path(data_dir) / "train.jsonl", out,
+        capture_layers(verifier.aux_layer_ids, verifier.num_layers), d.max_seq_len, cfg.extraction.dtype,
+        d.regenerate, d.max_new_tokens, d.temperature, d.responses_per_prompt, d.seed, verifier.trust_remote_code,
+        progress, fingerprint=verifier.fingerprint, engine_dtype=capture_engine_dtype(cfg),
+        plan=Path(plan) if plan else None)
+
+
+def baseline_from_engine(out: Path, engine: Engine, verifier, data_dir: str, cfg) -> dict:
+    """The smoke baseline (eaglet.smoke.write_baseline) from the capture engine's greedy answers to the held-out
+    prompts: the smoke test then starts one engine, the one with the draft."""
+    from eaglet.smoke import load_prompts, write_baseline
+
+    s = cfg.smoke
+    prompts = load_prompts(Path(data_dir) / "eval.jsonl", s.num_prompts)
+    answers = greedy_answers(engine, verifier.path, prompts, s.max_tokens, verifier.trust_remote_code)
+    return write_baseline(out, answers, engine="capture")
+
+
 def greedy_answers(engine: Engine, tokenizer_path: str, prompts: list[list[dict]], max_tokens: int,
                    trust_remote_code: bool = False) -> dict:
     """The verifier's greedy answers to `prompts` from the capture engine while it is up: the token ids and the

@@ -124,3 +124,12 @@ def history(out: Path) -> list[dict]:
 
 def when(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
+
+
+def history_table(out: Path) -> list[dict]:
+    """history() as the rows of a table (the Prefect UI's draft-history artifact)."""
+    return [{"finished": when(h["finished"]), "draft": h["draft"],
+             "mean acceptance": round(h["acceptance"], 4) if h["acceptance"] is not None else None,
+             "per position": ", ".join(f"{a:.3f}" for a in h["per_position"] or []), "lossless": h["lossless"],
+             "rows": h["training_rows"], "warm start": "yes" if h["init"] else "no",
+             "current": "yes" if h["current"] else ""} for h in history(out)]

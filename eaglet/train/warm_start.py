@@ -97,6 +97,13 @@ def find_previous(drafts_dir: Path, shape: str, states: str) -> Path | None:
     return best
 
 
+def resolve_init(init: str, drafts_dir: Path, shape: str, states: str, held_out: set[str]) -> dict:
+    """training.init resolved for a run: {"requested", "from": a checkpoint directory or None (scratch), "reason",
+    "held_out_seen"}; 'previous' is the newest stored draft of this shape (find_previous)."""
+    candidate = find_previous(drafts_dir, shape, states) if init == "previous" else Path(init).resolve()
+    return {"requested": init, **warm_start_decision(candidate, held_out, explicit=init != "previous")}
+
+
 def run_training(init: str | Path | None, training: TrainingParams) -> TrainingParams:
     """The training settings a run actually uses. A warm start trains training.warm_epochs (when set) at
     warm_lr_fraction of the learning rate, with warm_warmup_steps (when set); from scratch, training as given."""

@@ -1,7 +1,7 @@
 """Every artifact's key in one place. A key is the digest of the artifact's inputs by content (upstream artifacts by
 their own keys, files by their rows or bytes, parameters that change what is computed), the code version and the
-store root; the same key names the artifact in the store and the task's Prefect cache entry.
-tests/test_fingerprints.py walks every parameter through these functions."""
+store root. The key names the artifact in the store, and tasks.cache makes the same key the task's Prefect cache
+key. tests/test_fingerprints.py walks every parameter through these functions."""
 
 from __future__ import annotations
 
@@ -17,31 +17,6 @@ def _key(kind: str, **inputs) -> str:
     """Artifact key = digest of the inputs, the code version and the store root (a cache hit must point at an
     artifact in *this* store)."""
     return store.digest({"kind": kind, "code": eaglet.CODE_VERSION, "root": str(store.store_root()), **inputs})
-
-
-def cache_key(kind: str, key_fn, artifact: bool = True):
-    """A task's Prefect cache key: its artifact's store key. `artifact_missing` (read by `refreshed`) says when that
-    artifact is gone or damaged (gc, by hand), so the cached result would hand later tasks a dead path."""
-    def key(_ctx, params) -> str:
-        return f"eaglet-{kind}-{key_fn(**params)}"
-
-    def artifact_missing(params) -> bool:
-        path = store.artifact_path(kind, key_fn(**params))
-        return artifact and not (store.is_published(path) and store.intact(path))
-
-    key.artifact_missing = artifact_missing
-    return key
-
-
-def refreshed(task, *args):
-    """The task to call with these arguments: as defined, or, when its artifact is gone, with Prefect's
-    refresh_cache, so it runs, rebuilds the artifact under the same store key and overwrites its cache record."""
-    import inspect
-
-    missing = getattr(task.cache_key_fn, "artifact_missing", None)
-    if missing and missing(inspect.signature(task.fn).bind(*args).arguments):
-        return task.with_options(refresh_cache=True)
-    return task
 
 
 def embedded_key() -> str:
