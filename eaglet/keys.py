@@ -126,11 +126,11 @@ def export_key(verifier: VerifierInfo, ckpt_dir: str, cfg: RunConfig) -> str:
     return _key("draft_flat", ckpt=Path(ckpt_dir).name, export=cfg.export.model_dump(), convert=CONVERT_VERSION)
 
 
-def held_out_prompts(data_dir: str, cfg: RunConfig) -> str:
+def held_out_digest(data_dir: str, cfg: RunConfig) -> str:
     """The smoke prompts' digest: the baseline and the smoke results depend on them, not on the training rows."""
-    from eaglet.smoke import load_prompts
+    from eaglet.smoke import held_out_prompts
 
-    return store.digest(load_prompts(Path(data_dir) / "eval.jsonl", cfg.smoke.num_prompts))
+    return store.digest(held_out_prompts(data_dir, cfg))
 
 
 def baseline_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig, **_engine) -> str:
@@ -139,22 +139,21 @@ def baseline_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig, **_engin
     from eaglet.smoke import machine_kind, smoke_max_model_len
 
     s = cfg.smoke
-    return _key("baseline", verifier=verifier.fingerprint, prompts=held_out_prompts(data_dir, cfg),
+    return _key("baseline", verifier=verifier.fingerprint, prompts=held_out_digest(data_dir, cfg),
                 max_tokens=s.max_tokens, dtype=s.dtype, max_model_len=smoke_max_model_len(cfg),
                 machine=machine_kind())
 
 
 def smoke_key(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseline_dir: str, cfg: RunConfig) -> str:
     return _key("smoke", verifier=verifier.fingerprint, draft=Path(draft_dir).name,
-                prompts=held_out_prompts(data_dir, cfg),
+                prompts=held_out_digest(data_dir, cfg),
                 baseline=Path(baseline_dir).name, smoke=cfg.smoke.model_dump(exclude={"min_acceptance"}))
 
 
 def comparison_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
     """Which acceptance figures compare (eaglet.report.history): same verifier, held-out prompts, smoke settings."""
     from eaglet.report.history import comparison_key as key
-    from eaglet.smoke import load_prompts
+    from eaglet.smoke import held_out_prompts
 
     s = cfg.smoke
-    return key(verifier.fingerprint, load_prompts(Path(data_dir) / "eval.jsonl", s.num_prompts),
-               s.num_speculative_tokens, s.max_tokens, s.dtype)
+    return key(verifier.fingerprint, held_out_prompts(data_dir, cfg), s.num_speculative_tokens, s.max_tokens, s.dtype)

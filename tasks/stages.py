@@ -10,12 +10,11 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 
-from eaglet import capture, data, smoke, store
+from eaglet import capture, data, keys, smoke, store
 from eaglet.capture import engine as engines, vllm as capture_vllm
 from eaglet.config import RunConfig
 from eaglet.errors import EagletError
 from eaglet.verifier import VerifierInfo
-from eaglet import keys
 from tasks.cache import cache_key
 from tasks.progress import Progress
 
@@ -306,6 +305,7 @@ def smoke_test(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseline_d
     """One vLLM engine: the verifier with the draft, compared with the kept baseline (lossless, tokens/s)."""
     with store.in_use(baseline_dir):
         result = smoke.smoke_for_run(verifier.path, draft_dir, data_dir, baseline_dir, cfg)
-    get_run_logger().info(f"mean acceptance length {result.mean_acceptance_length:.3f} at k={result.num_speculative_tokens}"
-                          f", lossless={result.lossless} (verifier alone measured {result.baseline_measured})")
+    get_run_logger().info(f"mean acceptance length {result.mean_acceptance_length:.3f} at "
+                          f"k={result.num_speculative_tokens}, lossless={result.lossless} (verifier alone measured "
+                          f"{result.baseline_measured})")
     return result.model_dump()

@@ -334,11 +334,10 @@ def capture_for_run(engine: Engine | None, verifier, data_dir: str, out: Path, c
 def baseline_from_engine(out: Path, engine: Engine, verifier, data_dir: str, cfg) -> dict:
     """The smoke baseline (eaglet.smoke.write_baseline) from the capture engine's greedy answers to the held-out
     prompts: the smoke test then starts one engine, the one with the draft."""
-    from eaglet.smoke import load_prompts, write_baseline
+    from eaglet.smoke import held_out_prompts, write_baseline
 
-    s = cfg.smoke
-    prompts = load_prompts(Path(data_dir) / "eval.jsonl", s.num_prompts)
-    answers = greedy_answers(engine, verifier.path, prompts, s.max_tokens, verifier.trust_remote_code)
+    answers = greedy_answers(engine, verifier.path, held_out_prompts(data_dir, cfg), cfg.smoke.max_tokens,
+                             verifier.trust_remote_code)
     return write_baseline(out, answers, engine="capture")
 
 
