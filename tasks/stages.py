@@ -113,32 +113,34 @@ def plan_capture(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> dict:
 
 
 @task(name="load-verifier", retries=1, retry_delay_seconds=10, retry_condition_fn=_not_user_error)
-def load_verifier(verifier: VerifierInfo, cfg: RunConfig) -> engines.Engine:
-    """The run's one verifier load: a vLLM capture engine, stopped by the flow after the data pass. With
-    verifier.endpoint, the running server instead (no load)."""
+def load_verifier(verifier: VerifierInfo, cfg: RunConfig) -> list[engines.Engine]:
+    """The run's verifier loads: extraction.data_parallel_size vLLM capture engines, stopped by the flow after the
+    data pass. With verifier.endpoint, the running servers instead (no load)."""
     log = get_run_logger()
     if cfg.verifier.endpoint:
-        engine = engines.attach_for_run(verifier, cfg)
-        log.info(f"using the verifier engine at {engine.endpoint}: no load")
-        return engine
-    log.info(f"loading the verifier into a vLLM capture engine (tensor parallel {cfg.extraction.tensor_parallel_size})")
-    engine = engines.start_for_run(verifier, cfg, store.store_root() / ".engines" / f"{verifier.fingerprint}-"
-                                   f"{os.getpid()}")
-    log.info(f"verifier loaded in {engine.load_seconds:.1f} s")
-    return engine
+        fleet = engines.attach_for_run(verifier, cfg)
+        log.info(f"using the verifier engines at {', '.join(e.endpoint for e in fleet)}: no load")
+        return fleet
+    e = cfg.extraction
+    log.info(f"loading the verifier into {e.data_parallel_size} vLLM capture engine(s) (tensor parallel "
+             f"{e.tensor_parallel_size} each)")
+    fleet = engines.start_for_run(verifier, cfg, store.store_root() / ".engines" / f"{verifier.fingerprint}-"
+                                  f"{os.getpid()}")
+    log.info("verifier loaded in " + ", ".join(f"{x.load_seconds:.1f} s" for x in fleet))
+    return fleet
 
 
 @task(name="generate-and-capture", cache_key_fn=cache_key("hidden_states", keys.capture_key), persist_result=True,
       retries=1, retry_delay_seconds=10, retry_condition_fn=_not_user_error)
-def generate_and_capture(verifier: VerifierInfo, data_dir: str, engine, plan: str | None, cfg: RunConfig) -> str:
-    """One pass through the engine over the planned rows the store does not hold yet (the verifier answers each
+def generate_and_capture(verifier: VerifierInfo, data_dir: str, engines, plan: str | None, cfg: RunConfig) -> str:
+    """One pass through the engines over the planned rows the store does not hold yet (the verifier answers each
     training prompt and its hidden states over prompt + answer are saved in the same requests; without
     data.regenerate, the given conversations prefill-only); then the run's dataset view of all its rows."""
     inputs: dict = {}  # filled by build, written into the manifest after it: the rows the view links
 
     def build(work: Path) -> dict[str, str]:  # runs only if the view is not already published
         progress = Progress("capture", "generating and capturing" if cfg.data.regenerate else "capturing", "rows")
-        stats = capture_vllm.capture_for_run(engine, verifier, data_dir, work, cfg, progress, plan)
+        stats = capture_vllm.capture_for_run(engines, verifier, data_dir, work, cfg, progress, plan)
         progress.close()
         inputs["links"] = {"rows": stats.pop("rows_linked")}
         get_run_logger().info(capture_vllm.summary(stats))
@@ -153,11 +155,11 @@ def generate_and_capture(verifier: VerifierInfo, data_dir: str, engine, plan: st
 
 @task(name="baseline-from-capture-engine", persist_result=True, cache_key_fn=cache_key("baseline", keys.baseline_key),
       retries=1, retry_delay_seconds=10, retry_condition_fn=_not_user_error)
-def baseline_from_capture_engine(verifier: VerifierInfo, data_dir: str, engine, cfg: RunConfig) -> str:
+def baseline_from_capture_engine(verifier: VerifierInfo, data_dir: str, engines, cfg: RunConfig) -> str:
     """verifier-baseline's artifact (same key) from the engine the data pass already loaded: its greedy answers to
     the held-out prompts, so the smoke test starts one engine, the one with the draft."""
     def build(tmp: Path) -> None:
-        b = capture_vllm.baseline_from_engine(tmp, engine, verifier, data_dir, cfg)
+        b = capture_vllm.baseline_from_engine(tmp, engines, verifier, data_dir, cfg)
         get_run_logger().info(f"verifier alone (the capture engine, no load of its own): {b['num_prompts']} held-out "
                               f"prompts, {b['output_tokens']} tokens at {b['tokens_per_s']:.0f} tokens/s")
 

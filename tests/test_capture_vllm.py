@@ -1,6 +1,7 @@
 """The vllm capture backend, run for real on vLLM's CPU backend: one engine generates and captures; its states
-against a prefill of the same ids and against the hf backend; a kill -9 mid-pass and the resume; an engine kept
-up with `eaglet verifier serve`, used by a run that then loads nothing; the checks made before any load."""
+against a prefill of the same ids and against the hf backend; a kill -9 mid-pass and the resume; engines kept
+up with `eaglet verifier serve`, used by a run that then loads nothing; two engines in one run, one killed
+mid-pass (eaglet.capture.fleet); the checks made before any load."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -122,7 +124,7 @@ def test_capture_engine_samples_as_a_plain_engine(engine, tiny_verifier, convers
     """Sampled answers (temperature 0.8, a seed per request) from the capture engine are token for token those of
     a plain vLLM server with the same settings and no capture method. Before eaglet.capture.scheduler, vLLM's
     capture engine on CPU sampled unrelated tokens (its placeholder draft went through the rejection sampler)."""
-    from eaglet.capture.engine import _healthy, server_argv
+    from eaglet.capture.engine import healthy, server_argv
     from eaglet.capture.vllm import chat_prompt_ids
     from eaglet.data import prompt_part, read_conversations
     from eaglet.vllm import vllm_env
@@ -138,7 +140,7 @@ def test_capture_engine_samples_as_a_plain_engine(engine, tiny_verifier, convers
         plain = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True)
     try:
         deadline = time.time() + 600
-        while not _healthy(f"http://127.0.0.1:{port}"):
+        while not healthy(f"http://127.0.0.1:{port}"):
             assert plain.poll() is None and time.time() < deadline, (tmp_path / "plain.log").read_text()[-3000:]
             time.sleep(0.5)
         answers = {"capture": [], "plain": []}
@@ -308,45 +310,167 @@ def test_only_new_or_edited_rows_reach_the_verifier(engine, tiny_verifier, tmp_p
     assert store.intact(view) and len(load_from_disk(str(view))) == 20
 
 
-def test_a_run_against_a_served_verifier_loads_nothing(tiny_verifier, session_dir):
-    """`eaglet verifier serve` keeps an engine up; a run with verifier.endpoint uses it (verifier_loads 0), and a
-    run whose layers differ is refused before any work."""
-    port = free_port()
-    sets = [f"--set={s}" for s in TINY_RUN + [f"verifier.path={tiny_verifier}"]]
+def _kill_when_busy(storage_of, timeout: float = 900) -> tuple[dict, threading.Thread]:
+    """An engine dying mid-pass: once its capture directory (storage_of(): the directory or None) holds its first
+    hidden-state file (it answered the run's probe or its first request), its process group (the guard of
+    eaglet.capture.engine whose command line names that directory) is frozen with SIGSTOP, so every request the
+    pass deals it stays in flight, and killed with SIGKILL two seconds later."""
+    import psutil
+
+    killed: dict = {}
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            storage = storage_of()
+            if storage is not None and storage.is_dir() and any(
+                    e.name.endswith(".safetensors") for e in os.scandir(storage)):
+                [guard] = [p for p in psutil.process_iter(["cmdline"]) if "eaglet.capture.engine" in
+                           (p.info["cmdline"] or []) and any(str(storage) in a for a in p.info["cmdline"])]
+                os.killpg(guard.pid, signal.SIGSTOP)
+                time.sleep(2)
+                os.killpg(guard.pid, signal.SIGKILL)
+                killed["storage"] = storage
+                return
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return killed, thread
+
+
+def _served(sets: list[str], port: int) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    server = subprocess.Popen([sys.executable, "-m", "deployments.cli", "verifier", "serve", *sets, "--port",
-                               str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, start_new_session=True)
+    return subprocess.Popen([sys.executable, "-m", "deployments.cli", "verifier", "serve", *sets, "--port",
+                             str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _ready(server: subprocess.Popen) -> Path:
+    """Wait for `eaglet verifier serve`'s ready line; its capture directory."""
+    line = ""
+    while "ready at" not in line:
+        line = server.stdout.readline()
+        assert line or server.poll() is None, "eaglet verifier serve exited"
+    return Path(line.split("captures in ", 1)[1].rstrip(")\n"))
+
+
+def _shares_add_up(r: dict, store_dir: Path, killed_endpoint: str) -> None:
+    """Every planned row computed once (each engine's share of the published rows adds up to the rows computed,
+    and the store holds each row once); the killed engine taken out, the other not."""
+    x = r["extraction"]
+    shares = {e["endpoint"]: e for e in x["engines"]}
+    assert len(shares) == 2 and shares[killed_endpoint]["taken_out"], x["engines"]
+    assert all(e["taken_out"] is None for name, e in shares.items() if name != killed_endpoint), x["engines"]
+    assert x["rows_computed"] == x["rows"] > 0  # a fresh store: every planned row computed
+    assert sum(e["rows"] for e in shares.values()) == x["rows_computed"]
+    assert len(list((store_dir / "rows").glob("*/manifest.json"))) == x["rows"]
+
+
+def test_two_served_verifiers_one_killed_mid_pass(tiny_verifier, session_dir):
+    """Two `eaglet verifier serve` engines given as two URLs: a run uses both (verifier_loads 0) and completes on
+    one when the other dies mid-pass; a run whose layers differ is refused before any work."""
+    ports = [free_port(), free_port()]
+    sets = [f"--set={s}" for s in TINY_RUN + [f"verifier.path={tiny_verifier}"]]
+    servers = [_served(sets, port) for port in ports]  # both load at once
     try:
-        line = ""
-        while "ready at" not in line:
-            line = server.stdout.readline()
-            assert line or server.poll() is None, "eaglet verifier serve exited"
-        endpoint = f"http://127.0.0.1:{port}"
-        own = {"EAGLET_HOME": str(session_dir / "served-store")}  # not the e2e run's store: its tasks must build
-        wrong = run_cli(["run", *sets, "--set=verifier.aux_layer_ids=[1,3,5]", f"--set=verifier.endpoint={endpoint}",
-                         "--output-dir", str(session_dir / "wrong-endpoint")], env_extra=own)
+        storages = [_ready(server) for server in servers]
+        endpoints = [f"http://127.0.0.1:{port}" for port in ports]
+        store_dir = session_dir / "served-store"  # not the e2e run's store: its tasks must build
+        own = {"EAGLET_HOME": str(store_dir)}
+        wrong = run_cli(["run", *sets, "--set=verifier.aux_layer_ids=[1,3,5]",
+                         f"--set=verifier.endpoint={endpoints[0]}", "--output-dir", str(session_dir / "wrong-endpoint")],
+                        env_extra=own)
         assert wrong.returncode == 2 and "captures other layers" in wrong.stderr, wrong.stderr[-2000:]
         assert "load-verifier" not in wrong.stdout + wrong.stderr
         out = session_dir / "served"
+        killed, watcher = _kill_when_busy(lambda: storages[1])
         # 64 of the shipped prompts (the e2e settings answer all 960): what is checked is where the pass ran
         proc = run_cli(["run", *sets, "--set=data.max_samples=64", "--set=data.max_new_tokens=32",
-                        "--set=training.epochs=1", "--set=smoke.enabled=false", f"--set=verifier.endpoint={endpoint}",
-                        "--output-dir", str(out)], env_extra=own)
+                        "--set=training.epochs=1", "--set=smoke.enabled=false",
+                        f"--set=verifier.endpoint={','.join(endpoints)}", "--output-dir", str(out)], env_extra=own)
+        watcher.join(timeout=10)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert killed, "the second server was never asked for states"
         r = json.loads((out / "report.json").read_text())
         assert r["verifier_loads"] == 0 and r["engine_loads"]["data"] == 0
         assert r["tasks"]["generate-and-capture"]["state"] == "Completed"
         assert r["extraction"]["samples"] > 0 and r["extraction"]["generated_tokens"] > 0
+        _shares_add_up(r, store_dir, endpoints[1])
+        assert "taken out" in (out / "report.md").read_text()
     finally:
-        server.send_signal(signal.SIGTERM)  # the CLI stops its engine, then exits
-        try:
-            server.wait(timeout=120)
-        finally:
+        for server in servers:
+            server.send_signal(signal.SIGTERM)  # the CLI stops its engine, then exits
+        for server in servers:
             try:
-                os.killpg(server.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+                server.wait(timeout=120)
+            finally:
+                try:
+                    os.killpg(server.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def test_two_capture_engines_one_killed_mid_pass(tiny_verifier, session_dir):
+    """extraction.data_parallel_size=2: the run starts two capture engines (two verifier loads), deals the rows out
+    and completes on one when the other dies mid-pass; both engines' scratch is removed after the pass."""
+    store_dir, out = session_dir / "dp-store", session_dir / "dp"
+    engines_dir = store_dir / ".engines"
+    killed, watcher = _kill_when_busy(lambda: next(engines_dir.glob("*-1"), None) if engines_dir.is_dir() else None)
+    sets = [f"--set={s}" for s in TINY_RUN + [f"verifier.path={tiny_verifier}", "extraction.data_parallel_size=2",
+                                              "data.max_samples=48", "data.max_new_tokens=32", "training.epochs=1",
+                                              "smoke.enabled=false"]]
+    proc = run_cli(["run", *sets, "--output-dir", str(out)], env_extra={"EAGLET_HOME": str(store_dir)})
+    watcher.join(timeout=10)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert killed, "the second engine was never asked for states"
+    r = json.loads((out / "report.json").read_text())
+    assert r["verifier_loads"] == 2 and r["engine_loads"]["data"] == 2
+    second = [e["endpoint"] for e in r["extraction"]["engines"]][1]
+    _shares_add_up(r, store_dir, second)
+    assert "capture engines:" in (out / "report.md").read_text()
+    assert not list(engines_dir.iterdir())
+
+
+def test_fleet_deals_requests_to_the_least_busy_engine_and_fails_over():
+    """eaglet.capture.fleet on its own: requests go to the live engine with the fewest in flight; an engine whose
+    transport fails is taken out and its request answered by another; with none left, one sentence."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from eaglet.capture.engine import Engine
+    from eaglet.capture.fleet import EngineGone, Fleet
+
+    a, b = (Engine(endpoint=f"http://{n}:8000", served_name="x", max_model_len=64) for n in ("a", "b"))
+    fleet = Fleet([a, b])
+    answered: list[tuple[str, int]] = []
+
+    def send(engine, n):
+        if engine is b and n >= 10:  # b dies after its first requests
+            raise httpx.ConnectError("connection refused")
+        time.sleep(0.01)
+        answered.append((engine.endpoint, n))
+        return n
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda n: fleet.call(send, n), range(40)))
+    assert [n for _, n in results] == list(range(40))  # every request answered once, by someone
+    assert sorted(n for _, n in answered) == list(range(40))
+    assert {e for e, n in answered if n < 8} == {a.endpoint, b.endpoint}  # both took requests while both lived
+    assert all(e == a.endpoint for e, n in answered if n >= 10)
+    assert fleet.gone == {1: "ConnectError: connection refused"} and fleet.live() == [a]
+    for i, _ in results:
+        fleet.credit(i, 5)
+    shares = fleet.shares()
+    assert sum(s["rows"] for s in shares) == 40 and shares[1]["taken_out"].startswith("ConnectError")
+
+    def broken(engine, n):
+        raise EngineGone(f"{engine.endpoint} answered 503")
+
+    with pytest.raises(EagletError, match=r"^no capture engine left \(http://a:8000: EngineGone: http://a:8000 "
+                       r"answered 503; http://b:8000: ConnectError"):
+        fleet.call(broken, 0)
+    with pytest.raises(ValueError):  # a request refused by the engine (4xx) is the request's fault: not failed over
+        Fleet([a]).call(lambda engine: (_ for _ in ()).throw(ValueError("bad request")))
 
 
 @pytest.mark.skipif(visible_accelerators() > 0, reason="the checks of a machine without a GPU")
@@ -357,8 +481,15 @@ def test_backend_checks_before_any_load():
         (dict(backend="vllm", workers=2), "workers and scheduler_address"),
         (dict(backend="vllm", scheduler="tcp://10.0.0.5:8786"), "workers and scheduler_address"),
         (dict(backend="vllm", tensor_parallel_size=2), "needs that many GPUs; 0 visible"),
-        (dict(backend="hf", tensor_parallel_size=8), "applies to the vllm backend"),
+        (dict(backend="hf", tensor_parallel_size=8), "apply to the vllm backend"),
+        (dict(backend="hf", data_parallel_size=2), "apply to the vllm backend"),
         (dict(backend="auto", device="cuda:1"), "no CUDA device is visible"),
     ]:
         with pytest.raises(EagletError, match=words):
             resolve_backend(**kwargs)
+    from eaglet.capture import run_backend
+    from eaglet.config import load_config
+
+    assert run_backend(load_config(None, ["extraction.data_parallel_size=2"])) == "vllm"  # CPU: engines share cores
+    with pytest.raises(EagletError, match="list the servers in verifier.endpoint"):
+        run_backend(load_config(None, ["extraction.data_parallel_size=2", "verifier.endpoint=http://a:8000"]))

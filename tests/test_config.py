@@ -20,6 +20,11 @@ def test_defaults_and_overrides(tmp_path):
     assert cfg.verifier.aux_layer_ids == [1, 5, 9]
     assert cfg.data.path == "/x.jsonl"
     assert load_config().model_dump() == RunConfig().model_dump()
+    # several capture servers: comma-separated with --set, a list in YAML
+    assert load_config(None, ["verifier.endpoint=http://a:8000, http://b:8000"]).verifier.endpoint == [
+        "http://a:8000", "http://b:8000"]
+    cfg_file.write_text("verifier:\n  endpoint: [http://a:8000, http://b:8000/v]\n")
+    assert load_config(cfg_file).verifier.endpoint == ["http://a:8000", "http://b:8000/v"]
 
 
 @pytest.mark.parametrize("override, message", [
@@ -32,6 +37,8 @@ def test_defaults_and_overrides(tmp_path):
     ("training.loss=kl", "Unknown loss function 'kl'"),
     ("data.responses_per_prompt=2", "repeat the same greedy answer"),
     ('training.loss={"ce": 0.5, "nope": 0.5}', "Unknown loss function 'nope'"),
+    ("verifier.endpoint=http://a:8000,gpu-host:8000", "verifier.endpoint.1"),
+    ("extraction.data_parallel_size=0", "extraction.data_parallel_size"),
 ])
 def test_invalid_parameters_are_one_clear_sentence(override, message):
     with pytest.raises(EagletError, match=message):
@@ -89,10 +96,11 @@ def test_an_engine_eaglet_starts_can_answer_the_smoke_baseline_when_training_ans
             "extraction.engine_dtype=float32"]
     cfg = load_config(None, sets)
     started = Engine(endpoint="http://x", served_name="x", max_model_len=started_engine_max_model_len(cfg))
-    assert baseline_engine_fits(started, cfg)
+    assert baseline_engine_fits([started], cfg)
     assert engine_max_model_len(cfg) == 1024 + 48  # a served engine is still only required to fit the data
     served = Engine(endpoint="http://x", served_name="x", max_model_len=engine_max_model_len(cfg))
-    assert not baseline_engine_fits(served, cfg)  # ... and then the smoke test answers with an engine of its own
+    assert not baseline_engine_fits([served], cfg)  # ... and then the smoke test answers with an engine of its own
+    assert not baseline_engine_fits([started, served], cfg)  # the shortest engine of a fleet decides
     long_answers = load_config(None, ["data.max_new_tokens=256"])
     assert started_engine_max_model_len(long_answers) == 1024 + 256
 

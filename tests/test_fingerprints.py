@@ -40,6 +40,8 @@ NOT_IN_KEYS = {
                          "and the run's layers (test_capture_vllm.py)",
     "smoke.load_format": "how vLLM reads the weights, not which weights",
     "extraction.tensor_parallel_size": "how many GPUs, not what: vLLM's ranks compute the same layers",
+    "extraction.data_parallel_size": "how many engines, not what: each row is keyed on its own, whichever engine "
+    "answers it (test_capture_vllm.py)",
     "extraction.batch_size": "how, not what: padding is masked out of every state (and an out-of-memory retry "
                              "halves it for the same artifact)",
     "extraction.device": "where, not what",

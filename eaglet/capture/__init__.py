@@ -3,7 +3,7 @@
 One interface, two backends; both write the same artifact through `eaglet.capture.shards` (dataset, per-sample
 hidden-state files, token counts; resumable shard by shard):
 
-  vllm  (eaglet.capture.vllm, engine)  one vLLM engine started with the `extract_hidden_states` method and the
+  vllm  (eaglet.capture.vllm, engine, fleet)  one vLLM engine (or several: fleet) started with the `extract_hidden_states` method and the
         hidden-states connector answers the prompts *and* saves the hidden states of prompt + response in the same
         requests: the verifier is loaded once, and each token goes through it once. Without regeneration the same
         engine captures the given conversations prefill-only. The engine is a server (started by the flow, by
@@ -33,7 +33,7 @@ def vllm_installed() -> bool:
 
 
 def resolve_backend(backend: str = "auto", device: str = "auto", tensor_parallel_size: int = 1, workers: int = 1,
-                    scheduler: str | None = None) -> str:
+                    scheduler: str | None = None, data_parallel_size: int = 1) -> str:
     """The backend a run will use ('auto' resolved), or one sentence saying which setting to change. Checked
     before any weights load."""
     from eaglet.devices import visible_accelerators
@@ -45,9 +45,10 @@ def resolve_backend(backend: str = "auto", device: str = "auto", tensor_parallel
     if backend == "auto":  # vLLM wherever it runs (CPU included): one verifier load for generation and capture
         backend = "vllm" if vllm_installed() and not spread and not (device == "cpu" and gpus) else "hf"
     if backend == "hf":
-        if tensor_parallel_size > 1:
-            raise EagletError(f"extraction.tensor_parallel_size={tensor_parallel_size} applies to the vllm backend; "
-                              "set extraction.backend=vllm, or tensor_parallel_size=1 for hf")
+        if tensor_parallel_size > 1 or data_parallel_size > 1:
+            raise EagletError("extraction.tensor_parallel_size and data_parallel_size apply to the vllm backend "
+                              "(the hf backend spreads with extraction.workers); set extraction.backend=vllm, or both "
+                              "to 1 for hf")
         return backend
     if spread:
         raise EagletError("extraction.workers and scheduler_address spread the hf backend over Dask; with "
@@ -58,9 +59,14 @@ def resolve_backend(backend: str = "auto", device: str = "auto", tensor_parallel
     if tensor_parallel_size > max(gpus, 1):
         raise EagletError(f"extraction.tensor_parallel_size={tensor_parallel_size} needs that many GPUs; "
                           f"{gpus} visible")
-    if device.startswith("cuda:") and tensor_parallel_size > 1:
+    if gpus and tensor_parallel_size * data_parallel_size > gpus:  # on CPU, engines share the cores
+        raise EagletError(f"extraction.data_parallel_size={data_parallel_size} engines of tensor_parallel_size="
+                          f"{tensor_parallel_size} need {tensor_parallel_size * data_parallel_size} GPUs; {gpus} "
+                          "visible")
+    if device.startswith("cuda:") and (tensor_parallel_size > 1 or data_parallel_size > 1):
         raise EagletError(f"extraction.device={device} pins one GPU but tensor_parallel_size="
-                          f"{tensor_parallel_size}; use device=auto (CUDA_VISIBLE_DEVICES picks the GPUs)")
+                          f"{tensor_parallel_size} and data_parallel_size={data_parallel_size}; use device=auto "
+                          "(CUDA_VISIBLE_DEVICES picks the GPUs)")
     return backend
 
 
@@ -70,4 +76,8 @@ def run_backend(cfg) -> str:
     backend = "vllm" if cfg.verifier.endpoint and e.backend == "auto" else e.backend
     if cfg.verifier.endpoint and backend != "vllm":
         raise EagletError("verifier.endpoint is a vLLM capture server: it needs extraction.backend vllm or auto")
-    return resolve_backend(backend, e.device, e.tensor_parallel_size, e.workers, e.scheduler_address)
+    if cfg.verifier.endpoint and e.data_parallel_size > 1:
+        raise EagletError("extraction.data_parallel_size is the number of engines the run starts; with "
+                          "verifier.endpoint it starts none: list the servers in verifier.endpoint instead")
+    return resolve_backend(backend, e.device, e.tensor_parallel_size, e.workers, e.scheduler_address,
+                           e.data_parallel_size)

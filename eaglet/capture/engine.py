@@ -141,7 +141,7 @@ def start_engine(verifier: str, fingerprint: str, layers: list[int], storage: Pa
     engine = Engine(endpoint=f"http://{host}:{port}", served_name=name, storage=str(storage),
                     max_model_len=max_model_len, pid=proc.pid)
     try:
-        while not _healthy(engine.endpoint):
+        while not healthy(engine.endpoint):
             if proc.poll() is not None:
                 raise EngineError(f"the vLLM server exited (code {proc.returncode}) while loading {verifier}; "
                                   f"last output:\n{_tail(log_file)}")
@@ -166,7 +166,7 @@ def stop_engine(engine: Engine) -> None:
     engine.pid = None
 
 
-def _healthy(endpoint: str) -> bool:
+def healthy(endpoint: str) -> bool:
     import httpx
 
     try:
@@ -251,35 +251,65 @@ def started_engine_max_model_len(cfg: RunConfig) -> int:
     return max(engine_max_model_len(cfg), smoke_max_model_len(cfg) if cfg.smoke.enabled else 0)
 
 
-def baseline_engine_fits(engine: Engine | None, cfg: RunConfig) -> bool:
-    """Whether the data pass's engine can give the smoke test its baseline: it computes in the smoke test's dtype
-    and holds a held-out prompt with smoke.max_tokens of answer."""
+def baseline_engine_fits(engines: list[Engine] | None, cfg: RunConfig) -> bool:
+    """Whether the data pass's engines can give the smoke test its baseline: they compute in the smoke test's dtype
+    and hold a held-out prompt with smoke.max_tokens of answer."""
     from eaglet.smoke import smoke_max_model_len
 
-    return (engine is not None and cfg.smoke.enabled and capture_engine_dtype(cfg) == cfg.smoke.dtype
-            and engine.max_model_len >= smoke_max_model_len(cfg))
+    return (bool(engines) and cfg.smoke.enabled and capture_engine_dtype(cfg) == cfg.smoke.dtype
+            and min(e.max_model_len for e in engines) >= smoke_max_model_len(cfg))
 
 
+def attach_for_run(verifier, cfg: RunConfig) -> list[Engine]:
+    """verifier.endpoint's servers checked for this run: this verifier's fingerprint, the run's layers, its
+    lengths."""
+    layers = capture_layers(verifier.aux_layer_ids, verifier.num_layers)
+    return [attach(url, verifier.fingerprint, layers, engine_max_model_len(cfg), capture_engine_dtype(cfg))
+            for url in cfg.verifier.endpoint]
 
-def attach_for_run(verifier, cfg: RunConfig) -> Engine:
-    """verifier.endpoint checked for this run: this verifier's fingerprint, the run's layers, its lengths."""
-    return attach(cfg.verifier.endpoint, verifier.fingerprint, capture_layers(verifier.aux_layer_ids,
-                  verifier.num_layers), engine_max_model_len(cfg), capture_engine_dtype(cfg))
+
+def engine_devices(index: int, tensor_parallel_size: int, device: str) -> str:
+    """The device setting of engine `index` of a run's data_parallel_size: its own tensor_parallel_size GPUs (a
+    slice of the visible ones), or the run's setting where there is no GPU to split."""
+    from eaglet.devices import visible_accelerators
+
+    if visible_accelerators() and device == "auto":
+        first = index * tensor_parallel_size
+        return "cuda:" + ",".join(str(first + g) for g in range(tensor_parallel_size))
+    return device
 
 
-def start_for_run(verifier, cfg: RunConfig, storage: Path) -> Engine:
-    """The run's one verifier load: a capture engine sized for the data pass and the smoke baseline."""
+def start_for_run(verifier, cfg: RunConfig, storage: Path) -> list[Engine]:
+    """The run's verifier loads: extraction.data_parallel_size capture engines (started side by side, each sized
+    for the data pass and the smoke baseline, each with its own storage directory, `storage`-i); all or none."""
+    from concurrent.futures import ThreadPoolExecutor
+
     e = cfg.extraction
-    return start_engine(verifier.path, verifier.fingerprint, capture_layers(verifier.aux_layer_ids,
-                        verifier.num_layers), storage, started_engine_max_model_len(cfg), e.tensor_parallel_size,
-                        e.device, verifier.trust_remote_code, dtype=capture_engine_dtype(cfg))
+    layers = capture_layers(verifier.aux_layer_ids, verifier.num_layers)
+
+    def start(i: int) -> Engine:
+        return start_engine(verifier.path, verifier.fingerprint, layers, storage.with_name(f"{storage.name}-{i}"),
+                            started_engine_max_model_len(cfg), e.tensor_parallel_size,
+                            engine_devices(i, e.tensor_parallel_size, e.device), verifier.trust_remote_code,
+                            dtype=capture_engine_dtype(cfg))
+
+    with ThreadPoolExecutor(e.data_parallel_size) as pool:
+        futures = [pool.submit(start, i) for i in range(e.data_parallel_size)]
+    started = [f.result() for f in futures if f.exception() is None]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        stop_for_run(started)
+        raise failed[0]
+    return started
 
 
-def stop_for_run(engine: Engine | None) -> None:
-    """Stop an engine this run started (a no-op for an attached endpoint) and drop its scratch."""
-    if engine is not None and engine.pid is not None:
-        stop_engine(engine)
-        shutil.rmtree(engine.storage, ignore_errors=True)
+def stop_for_run(engines: list[Engine] | None) -> None:
+    """Stop the engines this run started (an attached endpoint is its owner's) and drop their scratch."""
+    for engine in engines or []:
+        if engine.pid is not None:
+            stop_engine(engine)
+            if engine.storage:
+                shutil.rmtree(engine.storage, ignore_errors=True)
 
 
 if __name__ == "__main__":

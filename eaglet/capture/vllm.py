@@ -23,7 +23,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from eaglet.capture.engine import Engine, EngineError
+from eaglet.capture.engine import Engine, EngineError, healthy
+from eaglet.capture.fleet import EngineGone, Fleet
 from eaglet.capture.rows import assemble, have_row, publish_row, read_row, row_key
 from eaglet.capture.shards import bytes_per_token, get_text_hidden_size
 from eaglet.data import assistant_mask, prompt_part, read_conversations
@@ -87,6 +88,8 @@ def _complete(client, engine: Engine, req: dict, gen: dict | None) -> dict:
         body.update(max_tokens=gen["max_new_tokens"], temperature=gen["temperature"],
                     seed=req["seed"], kv_transfer_params={"include_output_tokens": True})
     r = _post(client, f"{engine.endpoint}/v1/completions", body)
+    if r.status_code >= 500:  # the engine, not the request: another engine of the fleet takes it
+        raise EngineGone(f"the verifier engine at {engine.endpoint} answered {r.status_code}: {r.text[:300]}")
     if r.status_code != 200:
         raise EngineError(f"the verifier engine answered {r.status_code}: {r.text[:500]}")
     out = r.json()
@@ -98,6 +101,12 @@ def _complete(client, engine: Engine, req: dict, gen: dict | None) -> dict:
             "generated": out.get("usage", {}).get("completion_tokens", 0)}
 
 
+def _sent(fleet: Fleet, client, req: dict, gen: dict | None) -> dict:
+    """One request through the fleet: the answer, with the index of the engine that gave it."""
+    i, answer = fleet.call(lambda engine: _complete(client, engine, req, gen))
+    return dict(answer, engine=i)
+
+
 def _answer(future, poll: float = 10.0) -> dict:
     """future.result(), waited for in short timed waits: a pass has been seen standing still at one row while every
     later request had been answered, until a profiler attached to the client process woke it; a timed wait looks
@@ -107,6 +116,20 @@ def _answer(future, poll: float = 10.0) -> dict:
             return future.result(timeout=poll)
         except TimeoutError:
             continue
+
+
+def _answer_and_states(fleet: Fleet, future, pool, client, req: dict, gen: dict | None) -> tuple[dict, dict]:
+    """A request's answer and its hidden states. An engine that died after answering may have left its file
+    half-written (its write lock goes with the process): that engine is taken out and the request sent again."""
+    while True:
+        answer = _answer(future)
+        try:
+            return answer, _load(answer["path"])
+        except Exception:
+            if healthy(fleet.engines[answer["engine"]].endpoint):
+                raise
+            fleet.take_out(answer["engine"], "stopped after answering; its hidden-state file was left unreadable")
+        future = pool.submit(_sent, fleet, client, req, gen)
 
 
 def _load(path: str) -> dict:
@@ -215,16 +238,17 @@ def rows_to_compute(planned: dict[str, list[dict]]) -> list[str]:
     return [key for key in planned if not have_row(key)]
 
 
-def generate_and_capture(engine: Engine | None, tokenizer_path: str, conversations_file: Path, out: Path,
+def generate_and_capture(engines: Engine | list[Engine] | None, tokenizer_path: str, conversations_file: Path, out: Path,
                          layers: list[int], max_seq_len: int, dtype: str = "bfloat16", regenerate: bool = True,
                          max_new_tokens: int = 128, temperature: float = 0.0, responses_per_prompt: int = 1,
                          seed: int = 0, trust_remote_code: bool = False, progress=None,
                          fingerprint: str | None = None, engine_dtype: str = "bfloat16",
                          plan: Path | None = None) -> dict:
     """Fill `out` with the dataset view of every row of `conversations_file` (eaglet.capture.rows), sending to
-    `engine` only the rows the store does not hold yet; each is published as its requests finish, so a killed
-    pass loses only the rows in flight. `engine` may be None when every row is known; else it captures `layers`
-    (vLLM ids, eaglet.capture.engine.capture_layers). responses.jsonl keeps the verifier's answers.
+    `engines` only the rows the store does not hold yet; each is published as its requests finish, so a killed
+    pass loses only the rows in flight. `engines` (one or several: eaglet.capture.fleet deals the requests and
+    fails over) may be None when every row is known; else each captures `layers` (vLLM ids,
+    eaglet.capture.engine.capture_layers). responses.jsonl keeps the verifier's answers.
     progress(rows done, rows to compute, tokens/s). plan: plan_rows' result for these settings (write_plan), when
     the run has already tokenized the rows to decide whether to load the verifier."""
     import httpx
@@ -244,27 +268,32 @@ def generate_and_capture(engine: Engine | None, tokenizer_path: str, conversatio
     todo = rows_to_compute(planned)
     gen = {"max_new_tokens": max_new_tokens, "temperature": temperature} if regenerate else None  # seeds: plan_rows
 
-    t0, tokens, generated = time.perf_counter(), 0, 0
+    t0, tokens, generated, fleet = time.perf_counter(), 0, 0, None
     if todo:
-        if engine is None:
+        if not engines:
             raise RuntimeError(f"{len(todo)} rows need the verifier but no engine was started")
-        probe(engine, AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code), num_layers)
+        fleet = Fleet([engines] if isinstance(engines, Engine) else engines)
+        tok = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
+        for engine in fleet.engines:
+            probe(engine, tok, num_layers)
         with httpx.Client(timeout=httpx.Timeout(REQUEST_TIMEOUT, connect=60),
                           limits=httpx.Limits(max_connections=IN_FLIGHT)) as client, \
                 ThreadPoolExecutor(IN_FLIGHT) as pool:
-            futures = {(key, j): pool.submit(_complete, client, engine, req, gen)
+            futures = {(key, j): pool.submit(_sent, fleet, client, req, gen)
                        for key in todo for j, req in enumerate(planned[key])}
             try:
                 for count, key in enumerate(todo, 1):
-                    samples = []
+                    samples, engine_of_row = [], None
                     for j, req in enumerate(planned[key]):
-                        answer = _answer(futures.pop((key, j)))
-                        ids, mask, hs = _sample(req, _load(answer["path"]), max_seq_len, regenerate)
+                        answer, saved = _answer_and_states(fleet, futures.pop((key, j)), pool, client, req, gen)
+                        ids, mask, hs = _sample(req, saved, max_seq_len, regenerate)
                         samples.append({"input_ids": ids, "loss_mask": mask, "hidden_states": hs,
                                         "response": answer["text"] if regenerate else None})
                         generated += answer["generated"]
                         tokens += len(ids)
+                        engine_of_row = answer["engine"]
                     publish_row(key, samples, dtype)
+                    fleet.credit(engine_of_row, sum(len(s["input_ids"]) for s in samples))
                     if progress:
                         progress(count, len(todo), tokens / (time.perf_counter() - t0))
             finally:
@@ -306,6 +335,7 @@ def generate_and_capture(engine: Engine | None, tokenizer_path: str, conversatio
         "mode": "generate+capture" if regenerate else "prefill",
         "file_sha256": digests,
         "rows_linked": keys,
+        "engines": fleet.shares() if fleet else [],
     }
 
 
@@ -317,24 +347,28 @@ def plan_for_run(verifier, data_dir: str, cfg, plan_file: Path) -> tuple[int, in
     return len(planned), len(rows_to_compute(planned))
 
 
-def capture_for_run(engine: Engine | None, verifier, data_dir: str, out: Path, cfg, progress,
+def capture_for_run(engines: list[Engine] | None, verifier, data_dir: str, out: Path, cfg, progress,
                     plan: str | None) -> dict:
     """generate_and_capture with a run's settings (plan: plan_for_run's file, if the run made one)."""
     from eaglet.capture.engine import capture_engine_dtype, capture_layers
 
     d = cfg.data
     return generate_and_capture(
-        engine, verifier.path, Path(data_dir) / "train.jsonl", out,
+        engines, verifier.path, Path(data_dir) / "train.jsonl", out,
         capture_layers(verifier.aux_layer_ids, verifier.num_layers), d.max_seq_len, cfg.extraction.dtype,
         d.regenerate, d.max_new_tokens, d.temperature, d.responses_per_prompt, d.seed, verifier.trust_remote_code,
         progress, fingerprint=verifier.fingerprint, engine_dtype=capture_engine_dtype(cfg),
         plan=Path(plan) if plan else None)
 
 
-def baseline_from_engine(out: Path, engine: Engine, verifier, data_dir: str, cfg) -> dict:
-    """The smoke baseline (eaglet.smoke.write_baseline) from the capture engine's greedy answers to the held-out
-    prompts: the smoke test then starts one engine, the one with the draft."""
+def baseline_from_engine(out: Path, engines: list[Engine], verifier, data_dir: str, cfg) -> dict:
+    """The smoke baseline (eaglet.smoke.write_baseline) from a capture engine's greedy answers to the held-out
+    prompts (the first that still answers): the smoke test then starts one engine, the one with the draft."""
     from eaglet.smoke import held_out_prompts, write_baseline
+
+    engine = next((e for e in engines if healthy(e.endpoint)), None)
+    if engine is None:
+        raise EngineError("no capture engine answers any more for the smoke baseline")
 
     answers = greedy_answers(engine, verifier.path, held_out_prompts(data_dir, cfg), cfg.smoke.max_tokens,
                              verifier.trust_remote_code)
@@ -384,4 +418,8 @@ def summary(stats: dict) -> str:
     if stats["rows_computed"]:
         line += (f"; {stats['generated_tokens']} tokens generated, captured {stats['extracted_tokens']} tokens at "
                  f"{stats['tokens_per_s']:.0f} tokens/s")
+    if len(stats.get("engines", [])) > 1:
+        line += "; per engine: " + ", ".join(
+            f"{e['endpoint']} {e['rows']} rows ({e['tokens_per_s']:.0f} tokens/s)"
+            + (f", taken out: {e['taken_out']}" if e["taken_out"] else "") for e in stats["engines"])
     return line

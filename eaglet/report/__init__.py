@@ -67,6 +67,15 @@ def _short(v: object) -> str:
     return text if len(text) <= 48 else text[:45] + "..."
 
 
+def _engine_shares(shares: list[dict]) -> list[str]:
+    """The data pass's engines, when it had several: each one's rows and speed, and any taken out (and why)."""
+    if len(shares) < 2:
+        return []
+    return ["- capture engines: " + "; ".join(
+        f"`{e['endpoint']}` {e['rows']} rows, {e['tokens']} tokens ({e['tokens_per_s']:.0f} tokens/s)"
+        + (f", taken out: {e['taken_out']}" if e["taken_out"] else "") for e in shares)]
+
+
 def render_markdown(report: dict) -> str:
     v = report["verifier"]
     tasks = report["tasks"]
@@ -77,6 +86,7 @@ def render_markdown(report: dict) -> str:
         f"- verifier: `{v['path']}` ({v['model_type']}, fingerprint `{v['fingerprint']}`, {v['num_layers']} layers, "
         f"hidden {v['hidden_size']}, aux ids {v['aux_layer_ids']})",
         f"- data: {report.get('data_summary') or report['artifacts']['data']}",
+        *_engine_shares((report.get("extraction") or {}).get("engines") or []),
         f"- flat draft (vLLM): `{report['draft_dir']}`",
         f"- speculators checkpoint: `{report['speculators_dir']}`",
         f"- verifier weight loads before training: {report['verifier_loads']}; engine loads by stage: "

@@ -9,10 +9,11 @@ HF_DATA_STAGES = ("regenerate-responses", "extract-hidden-states")  # each loads
 SMOKE_STAGES = ("verifier-baseline", "smoke-test")  # one engine each, when it ran
 
 
-def engine_loads(tasks: dict, endpoint: str | None, started: float) -> dict[str, int]:
+def engine_loads(tasks: dict, endpoint: list[str] | None, started: float) -> dict[str, int]:
     """{"data": verifier loads before training, "smoke": engines the smoke stage started}. tasks: name ->
-    {"state", "result"} as the flow recorded them; a served endpoint is no load of this run's."""
-    data = int("load-verifier" in tasks and not endpoint)
+    {"state", "result"} as the flow recorded them; load-verifier's result is the engines it started (one load
+    each); a served endpoint is no load of this run's."""
+    data = len(tasks["load-verifier"]["result"]) if "load-verifier" in tasks and not endpoint else 0
     data += sum(1 for name in HF_DATA_STAGES
                 if name in tasks and built_by_this_process_since(tasks[name]["result"], started))
     smoke = sum(1 for name in SMOKE_STAGES if name in tasks and tasks[name]["state"] != "Cached")
