@@ -24,7 +24,7 @@ pytestmark = pytest.mark.e2e
 # The ci deployment's parameters, scaled to the tiny verifier: every stage runs, two vLLM loads included.
 CI_PARAMS = {
     "verifier": {"path": None},
-    "data": {"max_samples": 200, "max_seq_len": 256, "max_new_tokens": 32},
+    "data": {"max_samples": 64, "max_seq_len": 256, "max_new_tokens": 32},  # the ci deployment's 64 rows
     "draft": {"draft_vocab_size": 256},
     "training": {"epochs": 2, "total_seq_len": 1024},
     "smoke": {"num_prompts": 4, "max_tokens": 32},
