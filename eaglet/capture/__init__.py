@@ -3,11 +3,12 @@
 One interface, two backends; both write the same artifact through `eaglet.capture.shards` (dataset, per-sample
 hidden-state files, token counts; resumable shard by shard):
 
-  vllm  (eaglet.capture.vllm, engine, fleet)  one vLLM engine (or several: fleet) started with the `extract_hidden_states` method and the
-        hidden-states connector answers the prompts *and* saves the hidden states of prompt + response in the same
-        requests: the verifier is loaded once, and each token goes through it once. Without regeneration the same
-        engine captures the given conversations prefill-only. The engine is a server (started by the flow, by
-        `eaglet verifier serve`, or kept up by a team between runs), so the data pass is an HTTP client.
+  vllm  (eaglet.capture.vllm, engine, fleet)  one vLLM engine (or several: fleet) started with the
+        `extract_hidden_states` method and the hidden-states connector answers the prompts *and* saves the hidden
+        states of prompt + response in the same requests: the verifier is loaded once, and each token goes through
+        it once. Without regeneration the same engine captures the given conversations prefill-only. The engine is
+        a server (started by the flow, by `eaglet verifier serve`, or kept up by a team between runs), so the data
+        pass is an HTTP client.
   hf    (eaglet.capture.hf, hf_forward, dask)  transformers forward passes over given conversations, in this
         process or over Dask workers: for verifiers vLLM cannot load, and for fan-out over many hosts.
 

@@ -295,11 +295,11 @@ def start_for_run(verifier, cfg: RunConfig, storage: Path) -> list[Engine]:
 
     with ThreadPoolExecutor(e.data_parallel_size) as pool:
         futures = [pool.submit(start, i) for i in range(e.data_parallel_size)]
-    started = [f.result() for f in futures if f.exception() is None]
-    failed = [f.exception() for f in futures if f.exception() is not None]
-    if failed:
+    errors = [f.exception() for f in futures]
+    started = [f.result() for f, err in zip(futures, errors) if err is None]
+    if any(errors):
         stop_for_run(started)
-        raise failed[0]
+        raise next(err for err in errors if err)
     return started
 
 

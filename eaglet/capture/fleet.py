@@ -89,3 +89,9 @@ class Fleet:
 
     def live(self) -> list:
         return [e for i, e in enumerate(self.engines) if i not in self.gone]
+
+
+def describe_shares(shares: list[dict]) -> str:
+    """Fleet.shares() in one line (the capture log and the run report)."""
+    return "; ".join(f"`{e['endpoint']}` {e['rows']} rows, {e['tokens']} tokens ({e['tokens_per_s']:.0f} tokens/s)"
+                     + (f", taken out: {e['taken_out']}" if e["taken_out"] else "") for e in shares)

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eaglet.capture.engine import Engine, EngineError, healthy
-from eaglet.capture.fleet import EngineGone, Fleet
+from eaglet.capture.fleet import EngineGone, Fleet, describe_shares
 from eaglet.capture.rows import assemble, have_row, publish_row, read_row, row_key
 from eaglet.capture.shards import bytes_per_token, get_text_hidden_size
 from eaglet.data import assistant_mask, prompt_part, read_conversations
@@ -238,9 +238,10 @@ def rows_to_compute(planned: dict[str, list[dict]]) -> list[str]:
     return [key for key in planned if not have_row(key)]
 
 
-def generate_and_capture(engines: Engine | list[Engine] | None, tokenizer_path: str, conversations_file: Path, out: Path,
-                         layers: list[int], max_seq_len: int, dtype: str = "bfloat16", regenerate: bool = True,
-                         max_new_tokens: int = 128, temperature: float = 0.0, responses_per_prompt: int = 1,
+def generate_and_capture(engines: Engine | list[Engine] | None, tokenizer_path: str, conversations_file: Path,
+                         out: Path, layers: list[int], max_seq_len: int, dtype: str = "bfloat16",
+                         regenerate: bool = True, max_new_tokens: int = 128, temperature: float = 0.0,
+                         responses_per_prompt: int = 1,
                          seed: int = 0, trust_remote_code: bool = False, progress=None,
                          fingerprint: str | None = None, engine_dtype: str = "bfloat16",
                          plan: Path | None = None) -> dict:
@@ -283,17 +284,18 @@ def generate_and_capture(engines: Engine | list[Engine] | None, tokenizer_path: 
                        for key in todo for j, req in enumerate(planned[key])}
             try:
                 for count, key in enumerate(todo, 1):
-                    samples, engine_of_row = [], None
+                    samples, engine_of_row, row_tokens = [], None, 0
                     for j, req in enumerate(planned[key]):
                         answer, saved = _answer_and_states(fleet, futures.pop((key, j)), pool, client, req, gen)
                         ids, mask, hs = _sample(req, saved, max_seq_len, regenerate)
                         samples.append({"input_ids": ids, "loss_mask": mask, "hidden_states": hs,
                                         "response": answer["text"] if regenerate else None})
                         generated += answer["generated"]
-                        tokens += len(ids)
+                        row_tokens += len(ids)
                         engine_of_row = answer["engine"]
                     publish_row(key, samples, dtype)
-                    fleet.credit(engine_of_row, sum(len(s["input_ids"]) for s in samples))
+                    tokens += row_tokens
+                    fleet.credit(engine_of_row, row_tokens)
                     if progress:
                         progress(count, len(todo), tokens / (time.perf_counter() - t0))
             finally:
@@ -419,7 +421,5 @@ def summary(stats: dict) -> str:
         line += (f"; {stats['generated_tokens']} tokens generated, captured {stats['extracted_tokens']} tokens at "
                  f"{stats['tokens_per_s']:.0f} tokens/s")
     if len(stats.get("engines", [])) > 1:
-        line += "; per engine: " + ", ".join(
-            f"{e['endpoint']} {e['rows']} rows ({e['tokens_per_s']:.0f} tokens/s)"
-            + (f", taken out: {e['taken_out']}" if e["taken_out"] else "") for e in stats["engines"])
+        line += "; per engine: " + describe_shares(stats["engines"])
     return line

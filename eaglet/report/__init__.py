@@ -69,11 +69,9 @@ def _short(v: object) -> str:
 
 def _engine_shares(shares: list[dict]) -> list[str]:
     """The data pass's engines, when it had several: each one's rows and speed, and any taken out (and why)."""
-    if len(shares) < 2:
-        return []
-    return ["- capture engines: " + "; ".join(
-        f"`{e['endpoint']}` {e['rows']} rows, {e['tokens']} tokens ({e['tokens_per_s']:.0f} tokens/s)"
-        + (f", taken out: {e['taken_out']}" if e["taken_out"] else "") for e in shares)]
+    from eaglet.capture.fleet import describe_shares
+
+    return ["- capture engines: " + describe_shares(shares)] if len(shares) > 1 else []
 
 
 def render_markdown(report: dict) -> str:
