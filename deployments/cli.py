@@ -151,21 +151,29 @@ def cmd_cache(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(rows, indent=2))
             return 0
-        from eaglet.capture.rows import ROW_KIND, view_rows
+        from eaglet.capture.rows import ROW_KIND, STREAMED_KIND, view_rows
 
         print(f"{'kind':<14} {'fingerprint':<18} {'size':>10} {'age':>6} {'last used':>9}  path")
         for a in rows:
-            if a["kind"] == ROW_KIND:
+            if a["kind"] in (ROW_KIND, STREAMED_KIND):
                 continue  # one line for all of them, below
             linked = view_rows(Path(a["path"])) if a["kind"] == "hidden_states" else {"rows": []}
             note = (f"  ({len(linked['rows'])} rows: {len(linked['computed'])} computed by its run, "
-                    f"{len(linked['rows']) - len(linked['computed'])} reused)" if linked["rows"] else "")
+                    f"{len(linked['rows']) - len(linked['computed'])} reused" if linked["rows"] else "")
+            if linked.get("streamed"):
+                note += f"; {len(linked['streamed'])} streamed: states not kept, not reusable"
+            note += ")" if note else ""
             print(f"{a['kind']:<14} {a['key']:<18} {_size(a['bytes']):>10} {_age(now - a['created']):>6} "
                   f"{_age(now - a['last_used']):>9}  {a['path']}{note}")
         row_arts = [a for a in rows if a["kind"] == ROW_KIND]
         if row_arts:
             print(f"{ROW_KIND:<14} {len(row_arts):<18} {_size(sum(a['bytes'] for a in row_arts)):>10}  "
                   f"{' ' * 17}{store.store_root() / ROW_KIND} (one per conversation, shared by the datasets above)")
+        streamed = [a for a in rows if a["kind"] == STREAMED_KIND]
+        if streamed:
+            print(f"{STREAMED_KIND:<14} {len(streamed):<18} {_size(sum(a['bytes'] for a in streamed)):>10}  "
+                  f"{' ' * 17}{store.store_root() / STREAMED_KIND} (streamed rows: token ids only, their states were "
+                  "never kept; a run that keeps states computes them again)")
         print(f"{len(rows)} artifacts, {_size(sum(a['bytes'] for a in rows))} in {store.store_root()}")
         return 0
     if args.older_than is None and args.keep_last is None:

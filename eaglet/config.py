@@ -103,6 +103,15 @@ class ExtractionParams(_Section):
         None, description="An existing Dask cluster's scheduler (e.g. tcp://10.0.0.5:8786) to spread the shards "
         "over its workers, which must see the verifier and the artifact store. Empty: this machine.")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="'auto', 'cpu', 'cuda' or 'cuda:N'.")
+    states: Literal["keep", "stream"] = Field(
+        "keep", description="keep: every row's hidden states are stored once and reused by later runs. stream: none "
+        "are stored; the capture engine stays up through training and speculators asks it for each sample's states "
+        "when it needs them (a verifier forward pass per sample per epoch), for data sets larger than the disk "
+        "(backend vllm).")
+    disk_budget_gb: float | None = Field(
+        None, gt=0, description="With states keep: at most this many GB of new hidden states are stored, in row "
+        "order; the rows past it are streamed (as with states stream). Rows already in the store are used as they "
+        "are. Empty: no limit.")
 
 
 class DraftParams(_Section):

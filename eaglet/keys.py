@@ -65,13 +65,32 @@ def extraction_key(verifier: VerifierInfo, conversations_dir: str, cfg: RunConfi
                 extractor=CAPTURE_VERSIONS["hf"])
 
 
-def capture_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig, **_where) -> str:
-    """The vllm backend's dataset view; its rows are keyed each on its own (eaglet.capture.rows). Which engine
-    computes it, and from which plan, is not in it (an endpoint must serve this verifier's fingerprint)."""
+def capture_content_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
+    """The key of the view that keeps every row's states (what a streamed view stands for)."""
     from eaglet.capture.vllm import run_capture_settings
 
     return _key("hidden_states", verifier=verifier.fingerprint, aux=verifier.aux_layer_ids,
                 data=Path(data_dir).name, settings=run_capture_settings(verifier, cfg))
+
+
+def capture_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig, **_where) -> str:
+    """The vllm backend's dataset view; its rows are keyed each on its own (eaglet.capture.rows). Which engine
+    computes it, and from which plan, is not in it (an endpoint must serve this verifier's fingerprint)."""
+    content = capture_content_key(verifier, data_dir, cfg)
+    e = cfg.extraction
+    if e.states == "keep" and e.disk_budget_gb is None:
+        return content
+    # a view with streamed samples links fewer files than the kept view of the same content (states_identity)
+    return _key("hidden_states", content=content, states=e.states, disk_budget_gb=e.disk_budget_gb)
+
+
+def states_identity(states_dir: str) -> str:
+    """What training reads, by content: a dataset view's key, or for a view with streamed samples the key of the
+    view that keeps them all (its rows.json `content`). A draft trained on streamed states is keyed like one
+    trained on kept states, so either run reuses the other's vocabulary and draft."""
+    from eaglet.capture.rows import view_rows
+
+    return view_rows(Path(states_dir)).get("content") or Path(states_dir).name
 
 
 def draft_shape(verifier: VerifierInfo, cfg: RunConfig) -> str:
@@ -94,12 +113,12 @@ def init_identity(init_dir: str | None) -> str | None:
 
 
 def vocab_key(verifier: VerifierInfo, states_dir: str, init_dir: str | None, cfg: RunConfig) -> str:
-    return _key("vocab", states=Path(states_dir).name, draft_vocab_size=cfg.draft.draft_vocab_size,
+    return _key("vocab", states=states_identity(states_dir), draft_vocab_size=cfg.draft.draft_vocab_size,
                 kept_from=init_identity(init_dir))
 
 
 def training_key(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_dir: str | None,
-                 cfg: RunConfig, data_dir: str | None = None) -> str:
+                 cfg: RunConfig, data_dir: str | None = None, **_engines) -> str:
     """The settings training actually uses (eaglet.train.warm_start.run_training: a warm start's own epochs,
     learning rate, warm-up and replay; at their defaults, the keys of drafts trained before these levers existed);
     data_dir is not in the key: the states' key already names the data they were captured from."""
@@ -115,7 +134,7 @@ def training_key(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_d
     settings = training.model_dump(exclude=warm) | {"cpu_dtype": cpu_dtype(training.cpu_dtype)}  # 'auto' resolved
     if init_dir and training.warm_replay_fraction < 1:  # a warm start on part of the rows
         settings["replay_fraction"] = training.warm_replay_fraction
-    return _key("draft_ckpt", states=Path(states_dir).name, vocab=Path(vocab_dir).name, like=like,
+    return _key("draft_ckpt", states=states_identity(states_dir), vocab=Path(vocab_dir).name, like=like,
                 draft=cfg.draft.model_dump(exclude={"like"}), training=settings, init=init_identity(init_dir),
                 speculators=version("speculators"))
 

@@ -52,18 +52,18 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
         verifier = run("resolve-verifier", stages.resolve_verifier, verifier_path, params)
 
         artifacts = {"data": data_dir}
+        engine_up = held.enter_context(contextlib.ExitStack())  # engines stop after their last use, or on failure
+        engines = None
         if run_backend(params) == "vllm":
             plan = run("plan-capture", stages.plan_capture, verifier, data_dir, params)
-            with contextlib.ExitStack() as engine_up:  # the one place engines stop: before training, or on failure
-                engines = None
-                if plan["to_compute"]:  # verifier loads only for rows the store does not hold
-                    engines = run("load-verifier", stages.load_verifier, verifier, params)
-                    engine_up.callback(stop_for_run, engines)
-                states_dir = run("generate-and-capture", stages.generate_and_capture, verifier, data_dir, engines,
-                                 plan["plan"], params)
-                if baseline_engine_fits(engines, params):  # the smoke test's baseline while the engines are up
-                    run("baseline-from-capture-engine", stages.baseline_from_capture_engine, verifier, data_dir,
-                        engines, params)
+            if plan["to_compute"]:  # verifier loads only for rows the store does not hold
+                engines = run("load-verifier", stages.load_verifier, verifier, params)
+                engine_up.callback(stop_for_run, engines)
+            states_dir = run("generate-and-capture", stages.generate_and_capture, verifier, data_dir, engines,
+                             plan["plan"], params)
+            if baseline_engine_fits(engines, params):  # the smoke test's baseline while the engines are up
+                run("baseline-from-capture-engine", stages.baseline_from_capture_engine, verifier, data_dir,
+                    engines, params)
         else:
             conversations_dir = data_dir
             if params.data.regenerate:
@@ -76,7 +76,16 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
             warm_start = run("find-warm-start", stages.find_warm_start, verifier, states_dir, data_dir, params)
         init_dir = warm_start["from"] if warm_start else None
         vocab_dir = run("build-vocab", stages.build_vocab, verifier, states_dir, init_dir, params)
-        ckpt_dir = run("train-draft", stages.train_draft, verifier, states_dir, vocab_dir, init_dir, data_dir, params)
+        stream = stages.streams(states_dir) and not stages.trained(verifier, states_dir, vocab_dir, init_dir, params)
+        if not stream:
+            engine_up.close()  # states kept: the engines stop before training
+        elif not engines:  # streamed states and no engine up (every row known): training's own load
+            engines = run("load-verifier", stages.load_verifier, verifier, params)
+            engine_up.callback(stop_for_run, engines)
+        ckpt_dir = run("train-draft", stages.train_draft, verifier, states_dir, vocab_dir, init_dir, data_dir, params,
+                       engines if stream else None)
+        if stream:  # the engines' life spans training: their stop is a step of its own
+            run("stop-verifier", stages.stop_verifier, engines)
         draft_dir = run("export-draft", stages.export_draft, verifier, ckpt_dir, params)
         run("validate-draft", stages.validate_draft, verifier, draft_dir)
         smoke = None

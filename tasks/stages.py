@@ -12,6 +12,7 @@ from prefect import get_run_logger, task
 
 from eaglet import capture, data, keys, smoke, store
 from eaglet.capture import engine as engines, vllm as capture_vllm
+from eaglet.capture.engine import healthy as engines_healthy
 from eaglet.config import RunConfig
 from eaglet.errors import EagletError
 from eaglet.verifier import VerifierInfo
@@ -142,6 +143,10 @@ def generate_and_capture(verifier: VerifierInfo, data_dir: str, engines, plan: s
         progress = Progress("capture", "generating and capturing" if cfg.data.regenerate else "capturing", "rows")
         stats = capture_vllm.capture_for_run(engines, verifier, data_dir, work, cfg, progress, plan)
         progress.close()
+        if stats["rows_streamed"]:
+            from eaglet.capture.rows import set_view_content
+
+            set_view_content(work, keys.capture_content_key(verifier, data_dir, cfg))
         inputs["links"] = {"rows": stats.pop("rows_linked")}
         get_run_logger().info(capture_vllm.summary(stats))
         return _stats(work, stats)
@@ -243,21 +248,42 @@ def build_vocab(verifier: VerifierInfo, states_dir: str, init_dir: str | None, c
 
 @task(name="train-draft", cache_key_fn=cache_key("draft_ckpt", keys.training_key), persist_result=True)
 def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_dir: str | None, data_dir: str,
-                cfg: RunConfig) -> str:
+                cfg: RunConfig, engines: list[engines.Engine] | None = None) -> str:
     """speculators trains the draft (eaglet.train.draft); the artifact is the epoch whose validation predicts the
-    longest acceptance, every epoch's checkpoint, and the draft's lineage."""
+    longest acceptance, every epoch's checkpoint, and the draft's lineage. engines: the capture engines up for a
+    view with streamed samples (the first that answers computes them; not in the key: same content)."""
     from eaglet.train.draft import train_stage
 
     def build(work: Path) -> None:
         progress = Progress("training", "training the draft", "epochs")
+        source = next((e for e in engines or [] if engines_healthy(e.endpoint)), None)
         train_stage(work, verifier, Path(states_dir), Path(vocab_dir), Path(init_dir) if init_dir else None,
-                    Path(data_dir) / "train.jsonl", cfg, get_run_logger(), progress)
+                    Path(data_dir) / "train.jsonl", cfg, get_run_logger(), progress, source)
         progress.close()
 
     inputs = {"shape": keys.draft_shape(verifier, cfg), "states": Path(states_dir).name, "init": init_dir}
     with store.in_use(states_dir, vocab_dir, *([init_dir] if init_dir else [])):
         return str(store.publish("draft_ckpt", keys.training_key(verifier, states_dir, vocab_dir, init_dir, cfg),
                                  build, inputs=inputs, resumable=True))
+
+
+@task(name="stop-verifier")
+def stop_verifier(fleet: list[engines.Engine]) -> None:
+    """The capture engines this run started, stopped once training no longer streams from them."""
+    engines.stop_for_run(fleet)
+
+
+def trained(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_dir: str | None, cfg: RunConfig) -> bool:
+    """Whether train-draft's artifact is already in the store (a streamed view then needs no engine)."""
+    path = store.artifact_path("draft_ckpt", keys.training_key(verifier, states_dir, vocab_dir, init_dir, cfg))
+    return store.is_published(path) and store.intact(path)
+
+
+def streams(states_dir: str) -> bool:
+    """Whether a dataset view has samples whose states training must ask an engine for."""
+    from eaglet.capture.rows import view_rows
+
+    return bool(view_rows(Path(states_dir))["streamed"])
 
 
 # --- export, validation, smoke --------------------------------------------------------------------------------

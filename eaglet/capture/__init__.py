@@ -80,5 +80,13 @@ def run_backend(cfg) -> str:
     if cfg.verifier.endpoint and e.data_parallel_size > 1:
         raise EagletError("extraction.data_parallel_size is the number of engines the run starts; with "
                           "verifier.endpoint it starts none: list the servers in verifier.endpoint instead")
-    return resolve_backend(backend, e.device, e.tensor_parallel_size, e.workers, e.scheduler_address,
-                           e.data_parallel_size)
+    resolved = resolve_backend(backend, e.device, e.tensor_parallel_size, e.workers, e.scheduler_address,
+                               e.data_parallel_size)
+    if resolved != "vllm" and (e.states == "stream" or e.disk_budget_gb):
+        what = "extraction.states=stream" if e.states == "stream" else "extraction.disk_budget_gb"
+        raise EagletError(f"{what} streams states from a vLLM capture engine: it needs extraction.backend vllm "
+                          f"(this run resolves to {resolved})")
+    if e.states == "stream" and e.disk_budget_gb:
+        raise EagletError("extraction.disk_budget_gb limits what extraction.states=keep stores; with states=stream "
+                          "nothing is stored: drop one of the two")
+    return resolved

@@ -7,10 +7,14 @@ fingerprint, the capture settings (layers, dtype, max_seq_len, generation settin
 (prompt token ids, after the chat template; for prefill also the loss mask). A row's key does not depend on
 which file it came from, its position or its neighbours, so a file that grew by N rows costs N rows of work.
 
+A streamed row (`<store>/row_ids/<key>/`, same key) holds only `row.json`: each sample's token ids, loss mask
+and answer, no states (extraction.states stream, or rows past extraction.disk_budget_gb). Training asks the
+verifier engine for its states each time it reads it; a run that keeps states computes the row again.
+
 A run's dataset (`hidden_states/<key>/`) is an assembled view, speculators' ordinary offline layout: the HF
 dataset (input_ids, loss_mask, seq_len), `hidden_states/hs_<i>.safetensors` as relative symlinks into the row
-artifacts (no state is copied), `token_freq.pt`, and `rows.json` (row keys in sample order; which rows this
-run computed and which it reused). Its manifest lists the row keys it links (`inputs.links`), so `eaglet cache
+artifacts (no state is copied; none for a streamed sample, which speculators then asks the engine for),
+`token_freq.pt`, and `rows.json` (row keys in sample order; which rows this run computed, which are streamed). Its manifest lists the row keys it links (`inputs.links`), so `eaglet cache
 gc` never deletes a row a kept view still reads.
 """
 
@@ -24,6 +28,7 @@ from pathlib import Path
 from eaglet import store
 
 ROW_KIND = "rows"
+STREAMED_KIND = "row_ids"  # a streamed row: token ids and answers, no states (not reusable by a run that keeps)
 ROW_FILE = "row.json"
 VIEW_ROWS = "rows.json"
 
@@ -61,13 +66,36 @@ def publish_row(key: str, samples: list[dict], dtype: str) -> Path:
     return store.publish(ROW_KIND, key, build, inputs={"samples": len(samples)})
 
 
-def read_row(key: str) -> dict:
-    return json.loads((row_path(key) / ROW_FILE).read_text())
+def have_streamed_row(key: str) -> bool:
+    path = store.artifact_path(STREAMED_KIND, key)
+    return store.is_published(path) and store.intact(path)
 
 
-def assemble(out: Path, keys: list[str], computed: set[str]) -> dict[str, str]:
-    """The run's dataset in `out` (a store work directory) from the row artifacts `keys`, in that order.
-    Returns {relative file: sha256} for the linked states (taken from the rows' manifests, not re-read)."""
+def publish_streamed_row(key: str, samples: list[dict]) -> Path:
+    """A row whose states are not kept: samples [{"input_ids", "loss_mask", "response"?}]."""
+    def build(tmp: Path) -> None:
+        meta = [{"input_ids": list(s["input_ids"]), "loss_mask": list(s["loss_mask"]), "response": s.get("response"),
+                 "tokens": len(s["input_ids"])} for s in samples]
+        (tmp / ROW_FILE).write_text(json.dumps({"samples": meta}))
+
+    return store.publish(STREAMED_KIND, key, build, inputs={"samples": len(samples)})
+
+
+def row_bytes(key: str) -> int:
+    """Bytes of a kept row's states on disk."""
+    return sum(f.stat().st_size for f in row_path(key).glob("hs_*.safetensors"))
+
+
+def read_row(key: str, streamed: bool = False) -> dict:
+    """A row's row.json: the kept row's, or the streamed row's (with its token ids)."""
+    path = store.artifact_path(STREAMED_KIND, key) if streamed else row_path(key)
+    return json.loads((path / ROW_FILE).read_text())
+
+
+def assemble(out: Path, keys: list[str], computed: set[str], streamed: set[str] = frozenset()) -> dict[str, str]:
+    """The run's dataset in `out` (a store work directory) from the row artifacts `keys`, in that order; the
+    `streamed` ones without states (their row_ids artifacts). Returns {relative file: sha256} for the linked
+    states (taken from the rows' manifests, not re-read)."""
     import torch
     from safetensors import safe_open
 
@@ -77,6 +105,13 @@ def assemble(out: Path, keys: list[str], computed: set[str]) -> dict[str, str]:
     hs_dir.mkdir(parents=True, exist_ok=True)
     samples, freq, digests, i = [], Counter(), {}, 0
     for key in keys:
+        if key in streamed:
+            for meta in read_row(key, streamed=True)["samples"]:
+                samples.append({"input_ids": meta["input_ids"], "loss_mask": meta["loss_mask"],
+                                "seq_len": len(meta["input_ids"])})
+                freq.update(t for t, m in zip(meta["input_ids"], meta["loss_mask"]) if m)
+                i += 1
+            continue
         src = row_path(key)
         files = json.loads((src / store.MANIFEST).read_text())["files"]
         for j, meta in enumerate(read_row(key)["samples"]):
@@ -91,12 +126,20 @@ def assemble(out: Path, keys: list[str], computed: set[str]) -> dict[str, str]:
             i += 1
     save_dataset(samples, out)
     torch.save(dict(freq), out / "token_freq.pt")
-    (out / VIEW_ROWS).write_text(json.dumps({"rows": keys, "computed": sorted(computed)}))
+    (out / VIEW_ROWS).write_text(json.dumps({"rows": keys, "computed": sorted(computed),
+                                             "streamed": sorted(streamed)}))
     return digests
 
 
+def set_view_content(view: Path, content_key: str) -> None:
+    """Record in a view with streamed samples the key of the view that would keep them (keys.states_identity)."""
+    rows = json.loads((view / VIEW_ROWS).read_text())
+    (view / VIEW_ROWS).write_text(json.dumps({**rows, "content": content_key}))
+
+
 def view_rows(view: Path) -> dict:
-    """{"rows": keys in sample order, "computed": keys this view's run computed} (empty for a dataset that holds
-    its own files: the hf backend's)."""
+    """{"rows": keys in sample order, "computed": keys this view's run computed, "streamed": keys without kept
+    states} (empty for a dataset that holds its own files: the hf backend's)."""
     f = view / VIEW_ROWS
-    return json.loads(f.read_text()) if f.is_file() else {"rows": [], "computed": []}
+    rows = json.loads(f.read_text()) if f.is_file() else {"rows": [], "computed": []}
+    return {"streamed": [], **rows}

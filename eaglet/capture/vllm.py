@@ -25,7 +25,8 @@ from pathlib import Path
 
 from eaglet.capture.engine import Engine, EngineError, healthy
 from eaglet.capture.fleet import EngineGone, Fleet, describe_shares
-from eaglet.capture.rows import assemble, have_row, publish_row, read_row, row_key
+from eaglet.capture.rows import (assemble, have_row, have_streamed_row, publish_row, publish_streamed_row, read_row,
+                                 row_bytes, row_key)
 from eaglet.capture.shards import bytes_per_token, get_text_hidden_size
 from eaglet.data import assistant_mask, prompt_part, read_conversations
 from eaglet.errors import EagletError
@@ -238,20 +239,71 @@ def rows_to_compute(planned: dict[str, list[dict]]) -> list[str]:
     return [key for key in planned if not have_row(key)]
 
 
+def decide_rows(planned: dict[str, list[dict]], regenerate: bool, states: str = "keep",
+                budget_bytes: int | None = None, token_bytes: int = 0) -> dict[str, list[str]]:
+    """Which rows the pass computes and which are streamed (extraction.states, extraction.disk_budget_gb). A row
+    kept in the store is used as it is. Otherwise, under `states` keep with no budget, it is computed and kept;
+    under stream (or past the budget) only its token ids are kept: the engine computes it only when its answer is
+    still to be generated. Under a budget, a row whose length is known (prefill, or an answer kept earlier) is
+    kept while the budget holds it, in row order; a new answer's length is known only once generated, so such
+    rows are computed and `pending`: kept if what the budget has left holds them when they arrive.
+    Returns lists of keys, in row order: keep, pending, stream_compute (answers only), stream_plan (prefill, ids
+    from the plan, no engine), streamed_known (token ids already in the store); and the budget's bytes left
+    after `keep`."""
+    out = {name: [] for name in ("keep", "pending", "stream_compute", "stream_plan", "streamed_known")}
+    left = budget_bytes
+    for key, reqs in planned.items():
+        if have_row(key):
+            continue
+        if states == "keep" and budget_bytes is None:
+            out["keep"].append(key)
+            continue
+        known = have_streamed_row(key)
+        tokens = (sum(s["tokens"] for s in read_row(key, streamed=True)["samples"]) if known
+                  else None if regenerate else sum(len(r["prompt_ids"]) for r in reqs))
+        if states == "keep" and tokens is None:
+            out["pending"].append(key)
+        elif states == "keep" and row_estimate(tokens, len(reqs), token_bytes) <= left:
+            left -= row_estimate(tokens, len(reqs), token_bytes)
+            out["keep"].append(key)
+        elif known:
+            out["streamed_known"].append(key)
+        else:
+            out["stream_compute" if regenerate else "stream_plan"].append(key)
+    return out, left
+
+
+def row_estimate(tokens: int, samples: int, token_bytes: int) -> int:
+    """A kept row's bytes on disk, from above: its states, its int64 token ids and a safetensors header each."""
+    return tokens * (token_bytes + 8) + 1024 * samples
+
+
+def check_budget(planned: dict[str, list[dict]], budget_bytes: int, token_bytes: int) -> None:
+    """A budget that cannot hold the shortest new row (its prompt alone) would keep nothing: one sentence."""
+    new = [sum(len(r["prompt_ids"]) for r in reqs) for key, reqs in planned.items() if not have_row(key)]
+    if new and row_estimate(min(new), 1, token_bytes) > budget_bytes:
+        need = row_estimate(min(new), 1, token_bytes)
+        raise EagletError(f"extraction.disk_budget_gb={budget_bytes / 1e9:g} holds no row: the shortest new row "
+                          f"needs {need / 1e9:.3g} GB ({min(new)} tokens at {token_bytes} bytes each); raise it, or "
+                          "set extraction.states=stream to keep no states")
+
+
 def generate_and_capture(engines: Engine | list[Engine] | None, tokenizer_path: str, conversations_file: Path,
                          out: Path, layers: list[int], max_seq_len: int, dtype: str = "bfloat16",
                          regenerate: bool = True, max_new_tokens: int = 128, temperature: float = 0.0,
                          responses_per_prompt: int = 1,
                          seed: int = 0, trust_remote_code: bool = False, progress=None,
                          fingerprint: str | None = None, engine_dtype: str = "bfloat16",
-                         plan: Path | None = None) -> dict:
+                         plan: Path | None = None, states: str = "keep", budget_bytes: int | None = None) -> dict:
     """Fill `out` with the dataset view of every row of `conversations_file` (eaglet.capture.rows), sending to
     `engines` only the rows the store does not hold yet; each is published as its requests finish, so a killed
     pass loses only the rows in flight. `engines` (one or several: eaglet.capture.fleet deals the requests and
     fails over) may be None when every row is known; else each captures `layers` (vLLM ids,
     eaglet.capture.engine.capture_layers). responses.jsonl keeps the verifier's answers.
     progress(rows done, rows to compute, tokens/s). plan: plan_rows' result for these settings (write_plan), when
-    the run has already tokenized the rows to decide whether to load the verifier."""
+    the run has already tokenized the rows to decide whether to load the verifier. states / budget_bytes:
+    extraction.states and extraction.disk_budget_gb (decide_rows): a streamed row keeps only its token ids, and
+    the view links no states for it."""
     import httpx
     from transformers import AutoTokenizer
 
@@ -266,10 +318,17 @@ def generate_and_capture(engines: Engine | list[Engine] | None, tokenizer_path: 
         planned, skipped = read_plan(plan)
     else:
         planned, skipped = plan_rows(tokenizer_path, conversations_file, fingerprint, settings, trust_remote_code)
-    todo = rows_to_compute(planned)
+    hidden_size = get_text_hidden_size(tokenizer_path)
+    token_bytes = bytes_per_token(num_layers, hidden_size, dtype)
+    rows, left = decide_rows(planned, regenerate, states, budget_bytes, token_bytes)
+    to_stream = set(rows["stream_compute"]) | set(rows["stream_plan"]) | set(rows["streamed_known"])
+    for key in rows["stream_plan"]:  # prefill: the plan holds the ids; nothing for the engine
+        publish_streamed_row(key, [{"input_ids": r["prompt_ids"], "loss_mask": r["loss_mask"]} for r in planned[key]])
+    todo = [key for key in planned if key in set(rows["keep"] + rows["pending"] + rows["stream_compute"])]
+    keep_if_room = set(rows["pending"])
     gen = {"max_new_tokens": max_new_tokens, "temperature": temperature} if regenerate else None  # seeds: plan_rows
 
-    t0, tokens, generated, fleet = time.perf_counter(), 0, 0, None
+    t0, tokens, generated, fleet, kept_bytes = time.perf_counter(), 0, 0, None, 0
     if todo:
         if not engines:
             raise RuntimeError(f"{len(todo)} rows need the verifier but no engine was started")
@@ -293,7 +352,15 @@ def generate_and_capture(engines: Engine | list[Engine] | None, tokenizer_path: 
                         generated += answer["generated"]
                         row_tokens += len(ids)
                         engine_of_row = answer["engine"]
-                    publish_row(key, samples, dtype)
+                    if key in keep_if_room and row_estimate(row_tokens, len(samples), token_bytes) <= left:
+                        left -= row_estimate(row_tokens, len(samples), token_bytes)
+                    elif key in keep_if_room:
+                        to_stream.add(key)
+                    if key in to_stream:
+                        publish_streamed_row(key, samples)
+                    else:
+                        publish_row(key, samples, dtype)
+                        kept_bytes += row_bytes(key)
                     tokens += row_tokens
                     fleet.credit(engine_of_row, row_tokens)
                     if progress:
@@ -304,7 +371,7 @@ def generate_and_capture(engines: Engine | list[Engine] | None, tokenizer_path: 
     seconds = time.perf_counter() - t0
 
     keys = list(planned)
-    digests = assemble(out, keys, set(todo))
+    digests = assemble(out, keys, set(todo), to_stream)
     from datasets import load_from_disk
 
     ds = load_from_disk(str(out))
@@ -313,10 +380,10 @@ def generate_and_capture(engines: Engine | list[Engine] | None, tokenizer_path: 
         rows = read_conversations(conversations_file)
         with (out / "responses.jsonl").open("w") as f:
             for key in keys:
-                for req, s in zip(planned[key], read_row(key)["samples"]):
+                for req, s in zip(planned[key], read_row(key, streamed=key in to_stream)["samples"]):
                     msgs = prompt_part(rows[req["row"]]) + [{"role": "assistant", "content": s["response"]}]
                     f.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
-    hidden_size = get_text_hidden_size(tokenizer_path)
+    streamed_samples = sum(len(read_row(key, streamed=True)["samples"]) for key in to_stream)
     return {
         "samples": len(ds),
         "rows": len(keys),
@@ -331,22 +398,39 @@ def generate_and_capture(engines: Engine | list[Engine] | None, tokenizer_path: 
         "seconds": seconds,
         "tokens_per_s": tokens / seconds if seconds and tokens else 0.0,
         "generated_tokens_per_s": generated / seconds if seconds and generated else 0.0,
-        "bytes_per_token": bytes_per_token(num_layers, hidden_size, dtype),
+        "bytes_per_token": token_bytes,
+        "states": states if not budget_bytes else f"keep (budget {budget_bytes / 1e9:g} GB)",
+        "bytes_kept": kept_bytes,  # states this pass stored (rows reused from the store not counted)
+        "bytes_linked": sum(f.stat().st_size for f in (out / "hidden_states").glob("hs_*.safetensors")),
+        "samples_streamed": streamed_samples,
+        "rows_streamed": len(to_stream),
         "hidden_size": hidden_size,
         "backend": "vllm",
         "mode": "generate+capture" if regenerate else "prefill",
         "file_sha256": digests,
-        "rows_linked": keys,
+        "rows_linked": [key for key in keys if key not in to_stream],  # a streamed row's ids are in the view
         "engines": fleet.shares() if fleet else [],
     }
 
 
 def plan_for_run(verifier, data_dir: str, cfg, plan_file: Path) -> tuple[int, int]:
     """Tokenize a run's training rows once into the plan generate_and_capture sends: (rows, rows to compute)."""
-    planned, skipped = plan_rows(verifier.path, Path(data_dir) / "train.jsonl", verifier.fingerprint,
-                                 run_capture_settings(verifier, cfg), verifier.trust_remote_code)
+    e = cfg.extraction
+    settings = run_capture_settings(verifier, cfg)
+    planned, skipped = plan_rows(verifier.path, Path(data_dir) / "train.jsonl", verifier.fingerprint, settings,
+                                 verifier.trust_remote_code)
+    token_bytes = bytes_per_token(len(settings["layers"]), get_text_hidden_size(verifier.path), e.dtype)
+    budget = budget_bytes(cfg)
+    if budget is not None:
+        check_budget(planned, budget, token_bytes)  # before any load
     write_plan(plan_file, planned, skipped)
-    return len(planned), len(rows_to_compute(planned))
+    rows, _ = decide_rows(planned, cfg.data.regenerate, e.states, budget, token_bytes)
+    return len(planned), len(rows["keep"]) + len(rows["pending"]) + len(rows["stream_compute"])
+
+
+def budget_bytes(cfg) -> int | None:
+    gb = cfg.extraction.disk_budget_gb
+    return None if gb is None else int(gb * 1e9)
 
 
 def capture_for_run(engines: list[Engine] | None, verifier, data_dir: str, out: Path, cfg, progress,
@@ -360,7 +444,7 @@ def capture_for_run(engines: list[Engine] | None, verifier, data_dir: str, out: 
         capture_layers(verifier.aux_layer_ids, verifier.num_layers), d.max_seq_len, cfg.extraction.dtype,
         d.regenerate, d.max_new_tokens, d.temperature, d.responses_per_prompt, d.seed, verifier.trust_remote_code,
         progress, fingerprint=verifier.fingerprint, engine_dtype=capture_engine_dtype(cfg),
-        plan=Path(plan) if plan else None)
+        plan=Path(plan) if plan else None, states=cfg.extraction.states, budget_bytes=budget_bytes(cfg))
 
 
 def baseline_from_engine(out: Path, engines: list[Engine], verifier, data_dir: str, cfg) -> dict:

@@ -74,6 +74,23 @@ def _engine_shares(shares: list[dict]) -> list[str]:
     return ["- capture engines: " + describe_shares(shares)] if len(shares) > 1 else []
 
 
+def _states_line(report: dict) -> list[str]:
+    """Where training's hidden states came from: bytes kept on disk, samples streamed, and the verifier forward
+    passes per sample (a kept sample's states are computed once; a streamed one's each time training reads it)."""
+    x = report.get("extraction") or {}
+    if "samples_streamed" not in x:
+        return []
+    line = (f"- hidden states ({x['states']}): {x['bytes_linked'] / 1e9:.3g} GB on disk for "
+            f"{x['samples'] - x['samples_streamed']} samples ({x['bytes_kept'] / 1e9:.3g} GB stored by this run), "
+            f"{x['samples_streamed']} samples streamed")
+    s = report.get("streamed") or {}
+    if x["samples_streamed"] and s.get("engine_requests") is not None:
+        line += (f"; training asked the verifier for {s['engine_requests']} forward passes, "
+                 f"{s['engine_requests'] / x['samples_streamed']:.2f} per streamed sample over {s['epochs']} epochs "
+                 "(validation samples every epoch, and the simulated decoding), against 1 per kept sample")
+    return [line]
+
+
 def render_markdown(report: dict) -> str:
     v = report["verifier"]
     tasks = report["tasks"]
@@ -85,6 +102,7 @@ def render_markdown(report: dict) -> str:
         f"hidden {v['hidden_size']}, aux ids {v['aux_layer_ids']})",
         f"- data: {report.get('data_summary') or report['artifacts']['data']}",
         *_engine_shares((report.get("extraction") or {}).get("engines") or []),
+        *_states_line(report),
         f"- flat draft (vLLM): `{report['draft_dir']}`",
         f"- speculators checkpoint: `{report['speculators_dir']}`",
         f"- verifier weight loads before training: {report['verifier_loads']}; engine loads by stage: "
@@ -268,6 +286,7 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
                                      (warm_start or {}).get("from")),
         "simulated_acceptance": _simulated(Path(artifacts["checkpoint"])),
         "simulated_decoding": _json(Path(artifacts["checkpoint"]) / "acceptance.json"),
+        "streamed": _json(Path(artifacts["checkpoint"]) / "streamed.json"),
         "finished": time.time(),
         "config_difference": config_difference(json.loads((spec / "config.json").read_text()),
                                                json.loads((draft / "config.json").read_text())),

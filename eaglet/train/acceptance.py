@@ -62,10 +62,10 @@ def walk(right: torch.Tensor, mask: torch.Tensor) -> list[int]:
     return runs
 
 
-def simulate(checkpoint: Path, argv: list[str], max_rows: int = 2000) -> dict | None:
+def simulate(checkpoint: Path, argv: list[str], max_rows: int = 2000, stream: dict | None = None) -> dict | None:
     """Chain-decoding acceptance of the speculators checkpoint `checkpoint` (an epoch directory) on the validation
     split of the training run `argv` (speculators' train argv). None when the states are stored in a format this
-    reader does not open (fp8)."""
+    reader does not open (fp8). stream: the engine that computes streamed samples (eaglet.train.stream)."""
     import numpy as np
     from speculators.models.eagle3.core import Eagle3DraftModel
     from speculators.models.eagle3.data import shift_batch
@@ -84,8 +84,19 @@ def simulate(checkpoint: Path, argv: list[str], max_rows: int = 2000) -> dict | 
     config.transformer_layer_config._attn_implementation = "sdpa"
     model = Eagle3DraftModel.from_pretrained(str(checkpoint), config=config, t2d=t2d, d2t=d2t, verifier=verifier)
     model = model.float().eval()
-    rows = ArrowDataset(max_len=total_seq_len, datapath=argv_value(argv, "--data-path"), on_missing="raise",
-                        train_ratio=float(argv_value(argv, "--train-data-ratio")), split="val", model=verifier,
+    online = {}
+    if stream:
+        from hs_connectors.transfer import FileTransfer
+
+        from eaglet.train.stream import StoredDtypeTransfer
+
+        transfer = StoredDtypeTransfer(FileTransfer(Path(argv_value(argv, "--data-path")) / "hidden_states"),
+                                       stream["dtype"])
+        online = {"on_missing": "generate", "vllm_endpoint": argv_value(argv, "--vllm-endpoint"),
+                  "model": stream["served_name"], "transfer": transfer}
+    rows = ArrowDataset(max_len=total_seq_len, datapath=argv_value(argv, "--data-path"),
+                        **({"on_missing": "raise", "model": verifier} | online),
+                        train_ratio=float(argv_value(argv, "--train-data-ratio")), split="val",
                         hidden_states_dtype=torch.float32)
     loader = _setup_dataloader(rows, total_seq_len, config.transformer_layer_config.hidden_size, num_workers=0,
                                num_target_layers=len(argv_values(argv, "--target-layer-ids")), prefetch_factor=None,
@@ -135,8 +146,8 @@ def simulate(checkpoint: Path, argv: list[str], max_rows: int = 2000) -> dict | 
     return out
 
 
-def write(checkpoint: Path, argv: list[str], out: Path) -> dict | None:
-    result = simulate(checkpoint, argv)
+def write(checkpoint: Path, argv: list[str], out: Path, stream: dict | None = None) -> dict | None:
+    result = simulate(checkpoint, argv, stream=stream)
     if result is not None:
         out.write_text(json.dumps(result))
     return result

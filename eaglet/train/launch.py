@@ -77,8 +77,10 @@ def speculators_argv(
     multimodal: bool = False,
     states_dtype: str = "bfloat16",
     init: Path | None = None,
+    endpoint: str | None = None,
 ) -> list[str]:
-    """The `speculators train` arguments for this run (also written to the artifact for reproduction)."""
+    """The `speculators train` arguments for this run (also written to the artifact for reproduction). endpoint: the
+    capture engine that computes the states of samples the view does not hold (extraction.states)."""
     flag = lambda name, on: f"--{name}" if on else f"--no-{name}"  # noqa: E731
     argv = [
         "--speculator-type", "eagle3",
@@ -108,6 +110,8 @@ def speculators_argv(
     ]
     if trust_remote_code:
         argv.append("--trust-remote-code")
+    # a missing states file is an error unless an engine streams it (speculators would ask localhost:8000)
+    argv += ["--vllm-endpoint", f"{endpoint}/v1", "--on-missing", "generate"] if endpoint else ["--on-missing", "raise"]
     if states_dtype == "fp8":  # hs-connectors' reader dequantizes e4m3 + per-token scales on load
         argv += ["--hidden-states-backend", "fp8"]
     if multimodal:
@@ -169,13 +173,19 @@ def torchrun_argv(argv: list[str]) -> list[str]:
     return argv if "--fsdp-shard" in argv else [*argv, "--fsdp-shard"]
 
 
-def torchrun_env(nproc: int) -> dict[str, str]:
+STREAM_ENV = "EAGLET_STREAM_FROM"  # a torchrun rank's `stream` (train_draft), as JSON
+
+
+def torchrun_env(nproc: int, stream: dict | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    if stream:
+        env[STREAM_ENV] = json.dumps(stream)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))  # torchrun's default is 1
     return env
 
 
-def _train_with_torchrun(argv: list[str], metrics_file: Path | None, on_metrics, nproc: int) -> None:
+def _train_with_torchrun(argv: list[str], metrics_file: Path | None, on_metrics, nproc: int,
+                         stream: dict | None) -> None:
     save_path = Path(argv_value(argv, "--save-path"))
     save_path.mkdir(parents=True, exist_ok=True)
     argv_file = save_path.parent / "torchrun_argv.json"
@@ -187,7 +197,7 @@ def _train_with_torchrun(argv: list[str], metrics_file: Path | None, on_metrics,
     if follower:
         follower.start()
     try:
-        proc = subprocess.run(torchrun_command(argv_file, metrics_file, nproc), env=torchrun_env(nproc),
+        proc = subprocess.run(torchrun_command(argv_file, metrics_file, nproc), env=torchrun_env(nproc, stream),
                               capture_output=True, text=True)
     finally:
         done.set()
@@ -199,14 +209,17 @@ def _train_with_torchrun(argv: list[str], metrics_file: Path | None, on_metrics,
 
 
 def train_draft(argv: list[str], metrics_file: Path | None = None,
-                on_metrics: Callable[[dict], None] | None = None, nproc: int | None = None) -> None:
+                on_metrics: Callable[[dict], None] | None = None, nproc: int | None = None,
+                stream: dict | None = None) -> None:
     """Run speculators' training; its metrics are appended to metrics_file (a resumed run continues it).
     nproc: ranks (default: the visible GPUs). Above 1, torchrun launches them (speculators shards the draft with
     FSDP); otherwise speculators runs in this process. Either way a rerun resumes from the last epoch in
-    --save-path."""
+    --save-path. stream: {"served_name", "dtype"} of the engine at --vllm-endpoint (eaglet.train.stream)."""
+    from eaglet.train.stream import from_engine
+
     nproc = visible_accelerators() if nproc is None else nproc
     if nproc > 1:
-        return _train_with_torchrun(argv, metrics_file, on_metrics, nproc)
+        return _train_with_torchrun(argv, metrics_file, on_metrics, nproc, stream)
     from speculators.train.cli import main
     from speculators.train.config import TrainConfig
 
@@ -216,7 +229,7 @@ def train_draft(argv: list[str], metrics_file: Path | None = None,
     if recorder:
         root.addHandler(recorder)
     try:
-        with lossless_checkpoints(), keep_log_handlers():
+        with lossless_checkpoints(), keep_log_handlers(), from_engine(stream):
             if on_accelerator():
                 main(cfg)
             else:

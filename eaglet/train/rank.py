@@ -12,9 +12,10 @@ import os
 import sys
 from pathlib import Path
 
-from eaglet.train.launch import train_draft
+from eaglet.train.launch import STREAM_ENV, train_draft
 
 if __name__ == "__main__":
     argv = json.loads(Path(sys.argv[1]).read_text())
     metrics = Path(sys.argv[2]) if len(sys.argv) > 2 and os.environ.get("RANK", "0") == "0" else None
-    train_draft(argv, metrics, nproc=1)  # nproc=1: this process is one rank, never a launcher
+    stream = json.loads(os.environ[STREAM_ENV]) if os.environ.get(STREAM_ENV) else None
+    train_draft(argv, metrics, nproc=1, stream=stream)  # nproc=1: this process is one rank, never a launcher

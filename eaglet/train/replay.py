@@ -39,11 +39,12 @@ def replayed(key: str, fraction: float) -> bool:
 def training_view(states_dir: Path, init: Path, fraction: float, out: Path) -> dict | None:
     """The view a warm start trains on in `out`, or None when it is the whole states view (fraction 1, a view
     without row artifacts, or nothing seen). Returns {"rows", "new", "replayed"}."""
-    rows = view_rows(states_dir)["rows"]
+    view = view_rows(states_dir)
+    rows = view["rows"]
     seen = seen_rows(init) if fraction < 1 and rows else set()
     if not seen & set(rows):
         return None
     chosen = [k for k in rows if k not in seen or replayed(k, fraction)]
     new = sum(1 for k in rows if k not in seen)
-    assemble(out, chosen, set())
+    assemble(out, chosen, set(), set(view["streamed"]) & set(chosen))
     return {"rows": len(chosen), "new": new, "replayed": len(chosen) - new}
