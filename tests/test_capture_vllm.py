@@ -355,16 +355,18 @@ def _ready(server: subprocess.Popen) -> Path:
     return Path(line.split("captures in ", 1)[1].rstrip(")\n"))
 
 
-def _shares_add_up(r: dict, store_dir: Path, killed_endpoint: str) -> None:
+def _shares_add_up(r: dict, store_dir: Path, killed_endpoint: str, streamed: int = 0) -> None:
     """Every planned row computed once (each engine's share of the published rows adds up to the rows computed,
-    and the store holds each row once); the killed engine taken out, the other not."""
+    and the store holds each row once, `streamed` of them as token ids only); the killed engine taken out, the
+    other not."""
     x = r["extraction"]
     shares = {e["endpoint"]: e for e in x["engines"]}
     assert len(shares) == 2 and shares[killed_endpoint]["taken_out"], x["engines"]
     assert all(e["taken_out"] is None for name, e in shares.items() if name != killed_endpoint), x["engines"]
     assert x["rows_computed"] == x["rows"] > 0  # a fresh store: every planned row computed
     assert sum(e["rows"] for e in shares.values()) == x["rows_computed"]
-    assert len(list((store_dir / "rows").glob("*/manifest.json"))) == x["rows"]
+    assert len(list((store_dir / "rows").glob("*/manifest.json"))) == x["rows"] - streamed
+    assert len(list((store_dir / "row_ids").glob("*/manifest.json"))) == streamed
 
 
 def test_two_served_verifiers_one_killed_mid_pass(tiny_verifier, session_dir):
@@ -411,25 +413,52 @@ def test_two_served_verifiers_one_killed_mid_pass(tiny_verifier, session_dir):
                     pass
 
 
-def test_two_capture_engines_one_killed_mid_pass(tiny_verifier, session_dir):
+def test_two_capture_engines_one_killed_mid_pass_and_states_past_the_disk_budget_streamed(tiny_verifier,
+                                                                                          session_dir):
     """extraction.data_parallel_size=2: the run starts two capture engines (two verifier loads), deals the rows out
-    and completes on one when the other dies mid-pass; both engines' scratch is removed after the pass."""
+    and completes on one when the other dies mid-pass; both engines' scratch is removed after the run.
+    extraction.disk_budget_gb in the same run: rows kept up to the budget, the rest streamed to speculators'
+    training by the surviving engine, kept up through training and stopped after it (its own step); the report
+    says bytes kept, samples streamed and the forward passes training asked for. Then extraction.states=stream on
+    the same rows: its draft is keyed like the first (same content), so vocabulary and training are cache hits
+    and no verifier loads."""
     store_dir, out = session_dir / "dp-store", session_dir / "dp"
+    own = {"EAGLET_HOME": str(store_dir)}
     engines_dir = store_dir / ".engines"
     killed, watcher = _kill_when_busy(lambda: next(engines_dir.glob("*-1"), None) if engines_dir.is_dir() else None)
     sets = [f"--set={s}" for s in TINY_RUN + [f"verifier.path={tiny_verifier}", "extraction.data_parallel_size=2",
                                               "data.max_samples=48", "data.max_new_tokens=32", "training.epochs=1",
                                               "smoke.enabled=false"]]
-    proc = run_cli(["run", *sets, "--output-dir", str(out)], env_extra={"EAGLET_HOME": str(store_dir)})
+    proc = run_cli(["run", *sets, "--set=extraction.disk_budget_gb=0.001", "--output-dir", str(out)],
+                   env_extra=own)
     watcher.join(timeout=10)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert killed, "the second engine was never asked for states"
     r = json.loads((out / "report.json").read_text())
     assert r["verifier_loads"] == 2 and r["engine_loads"]["data"] == 2
     second = [e["endpoint"] for e in r["extraction"]["engines"]][1]
-    _shares_add_up(r, store_dir, second)
-    assert "capture engines:" in (out / "report.md").read_text()
+    x = r["extraction"]
+    _shares_add_up(r, store_dir, second, streamed=x["rows_streamed"])
+    report_md = (out / "report.md").read_text()
+    assert "capture engines:" in report_md and "samples streamed; training asked the verifier for" in report_md
     assert not list(engines_dir.iterdir())
+
+    kept = sum(f.stat().st_size for f in (store_dir / "rows").rglob("hs_*.safetensors"))
+    assert 0 < kept == x["bytes_kept"] <= 1e6 and 0 < x["samples_streamed"] < x["samples"], x
+    names = list(r["tasks"])
+    assert names.index("load-verifier") < names.index("train-draft") < names.index("stop-verifier")
+    assert r["streamed"]["engine_requests"] >= x["samples_streamed"]  # every streamed sample, once an epoch at least
+    ls = run_cli(["cache", "ls"], env_extra=own)
+    assert "states not kept, not reusable" in ls.stdout and "row_ids" in ls.stdout, ls.stdout
+
+    again = run_cli(["run", *sets, "--set=extraction.states=stream", "--output-dir", str(session_dir / "streamed")],
+                    env_extra=own)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    r2 = json.loads((session_dir / "streamed" / "report.json").read_text())
+    assert r2["verifier_loads"] == 0 and "load-verifier" not in r2["tasks"]
+    assert r2["tasks"]["train-draft"]["state"] == "Cached"
+    assert r2["artifacts"]["hidden_states"] != r["artifacts"]["hidden_states"]
+    assert r2["extraction"]["bytes_kept"] == 0 and r2["extraction"]["samples_streamed"] == x["samples_streamed"]
 
 
 def test_fleet_deals_requests_to_the_least_busy_engine_and_fails_over():
@@ -493,3 +522,56 @@ def test_backend_checks_before_any_load():
     assert run_backend(load_config(None, ["extraction.data_parallel_size=2"])) == "vllm"  # CPU: engines share cores
     with pytest.raises(EagletError, match="list the servers in verifier.endpoint"):
         run_backend(load_config(None, ["extraction.data_parallel_size=2", "verifier.endpoint=http://a:8000"]))
+    for sets, words in [
+        (["extraction.states=stream", "extraction.backend=hf"], "extraction.states=stream streams states from a vLLM"),
+        (["extraction.disk_budget_gb=1", "extraction.workers=2"], "extraction.disk_budget_gb streams states from"),
+        (["extraction.states=stream", "extraction.disk_budget_gb=1"], "with states=stream nothing is stored"),
+    ]:
+        with pytest.raises(EagletError, match=words):
+            run_backend(load_config(None, sets))
+
+
+def test_streamed_rows_keep_only_their_ids_and_a_budget_keeps_at_most_its_bytes(engine, tiny_verifier,
+                                                                                  conversations, tmp_path,
+                                                                                  monkeypatch):
+    """extraction.states=stream: the pass stores no states (each row's token ids, loss mask and answer only: a
+    row_ids artifact) and its view links none; prefill-only rows need no engine at all. extraction.disk_budget_gb:
+    rows are kept while the budget holds them and the rest streamed, in one view; a budget below one row is one
+    sentence, before any request."""
+    from datasets import load_from_disk
+
+    from eaglet.capture.rows import STREAMED_KIND, view_rows
+    from eaglet.capture.vllm import check_budget, decide_rows, plan_rows, capture_settings, row_estimate
+
+    store_dir = tmp_path / "store"
+    monkeypatch.setenv("EAGLET_HOME", str(store_dir))
+    streamed = _pass(engine, tiny_verifier, conversations, tmp_path / "stream", states="stream")
+    assert streamed["rows_streamed"] == streamed["rows"] == 24 and streamed["samples_streamed"] == 24
+    assert streamed["bytes_kept"] == streamed["bytes_linked"] == 0 and streamed["generated_tokens"] > 0
+    assert not list(store_dir.rglob("*.safetensors")) and not list((tmp_path / "stream").rglob("hs_*"))
+    assert len(list((store_dir / STREAMED_KIND).glob("*/manifest.json"))) == 24
+    view = load_from_disk(str(tmp_path / "stream"))
+    assert len(view) == 24 and sum(view["seq_len"]) == streamed["tokens"]
+    assert len(view_rows(tmp_path / "stream")["streamed"]) == 24
+
+    prefill = _pass(None, tiny_verifier, conversations, tmp_path / "prefill", regenerate=False, states="stream")
+    assert prefill["rows_streamed"] == 24 and prefill["rows_computed"] == 0 and prefill["extracted_tokens"] == 0
+
+    # the budget: half of what keeping every row would take; the answers are known now (the streamed rows' ids)
+    token_bytes = streamed["bytes_per_token"]
+    total = sum(row_estimate(int(n), 1, token_bytes) for n in view["seq_len"])
+    budget = total // 2
+    mixed = _pass(engine, tiny_verifier, conversations, tmp_path / "mixed", budget_bytes=budget)
+    kept = sum(f.stat().st_size for f in (store_dir / "rows").rglob("hs_*.safetensors"))
+    assert 0 < kept == mixed["bytes_kept"] <= budget, (kept, budget)
+    assert 0 < mixed["rows_streamed"] < 24 and mixed["rows_computed"] == 24 - mixed["rows_streamed"]
+    assert len(list((tmp_path / "mixed" / "hidden_states").iterdir())) == 24 - mixed["rows_streamed"]
+
+    settings = capture_settings(LAYERS, MAX_SEQ, "bfloat16", True, NEW, 0.0, 1, 0)
+    planned, _ = plan_rows(str(tiny_verifier), conversations, resolve_verifier(tiny_verifier, AUX).fingerprint,
+                           settings)
+    rows, _ = decide_rows(planned, True, "keep", budget, token_bytes)  # a second run: every row known, none to do
+    assert not rows["keep"] and not rows["pending"] and len(rows["streamed_known"]) == mixed["rows_streamed"]
+    with pytest.raises(EagletError, match=r"^extraction.disk_budget_gb=1e-06 holds no row: the shortest new row "):
+        check_budget(planned, 1000, token_bytes)
+

@@ -87,7 +87,7 @@ def _leaves() -> list[str]:
 IN_KEYS = [
     "data.max_seq_len", "data.eval_fraction", "data.max_samples", "data.regenerate", "data.max_new_tokens",
     "data.temperature", "data.responses_per_prompt", "data.seed",
-    "extraction.engine_dtype", "extraction.dtype",
+    "extraction.engine_dtype", "extraction.dtype", "extraction.states", "extraction.disk_budget_gb",
     "draft.draft_vocab_size", "draft.norm_before_residual", "draft.norm_before_fc", "draft.norm_output",
     "training.epochs", "training.lr", "training.optimizer", "training.scheduler", "training.warmup_steps",
     "training.ttt_steps", "training.total_seq_len", "training.seed", "training.cpu_dtype", "training.loss",
@@ -102,7 +102,7 @@ AUTO_RESOLVED = {
     "training.cpu_dtype": lambda cfg: cpu_dtype(cfg.training.cpu_dtype),
     "extraction.engine_dtype": lambda cfg: capture_engine_dtype(cfg),
 }
-OTHER_VALUE = {"training.loss": "ce"}  # a valid value of a free-form field
+OTHER_VALUE = {"training.loss": "ce", "extraction.disk_budget_gb": 2.5}  # valid values of free-form fields
 
 
 def _other_value(model, name, value, where=""):
@@ -263,3 +263,23 @@ def test_extraction_backend_is_in_the_key(verifier, data_file):
     assert hf["hidden_states"] != vllm["hidden_states"]  # the backends agree to bf16 rounding, not bit for bit
     assert hf["draft_ckpt"] != vllm["draft_ckpt"] and Path(hf["data"]).name == Path(vllm["data"]).name
     assert auto == vllm  # auto is vllm wherever vLLM is installed (CPU included) and reuses its artifacts
+
+
+@pytest.mark.parametrize("sets", [{"states": "stream"}, {"disk_budget_gb": 0.5}])
+def test_streamed_states_are_a_view_of_their_own_and_the_same_draft(sets, verifier, data_file, tmp_path, monkeypatch):
+    """A view with streamed samples links fewer files than the kept view: a key of its own. What training reads
+    is the same content, so once the view records the kept view's key (rows.json `content`), vocabulary and
+    draft are keyed as for the kept view: either run reuses the other's draft."""
+    monkeypatch.chdir(tmp_path)
+    keep = RunConfig.model_validate({"data": {"path": data_file}})
+    streamed = keep.model_copy(update={"extraction": keep.extraction.model_copy(update=sets)})
+    a, b = _chain(keep, verifier, data_file), _chain(streamed, verifier, data_file)
+    assert a["hidden_states"] != b["hidden_states"] and a["row"] == b["row"]
+    assert key_fns.capture_content_key(verifier, a["data"], streamed) == a["hidden_states"]
+    view = tmp_path / b["hidden_states"]  # the streamed view, as the flow publishes it (a path named by its key)
+    view.mkdir()
+    (view / "rows.json").write_text(json.dumps({"rows": ["r"], "computed": [], "streamed": ["r"],
+                                                "content": a["hidden_states"]}))
+    vocab = key_fns.vocab_key(verifier, str(view), None, streamed)
+    assert vocab == a["vocab"]
+    assert key_fns.training_key(verifier, str(view), vocab, None, streamed) == a["draft_ckpt"]
