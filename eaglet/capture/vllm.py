@@ -246,12 +246,17 @@ def decide_rows(planned: dict[str, list[dict]], regenerate: bool, states: str = 
     under stream (or past the budget) only its token ids are kept: the engine computes it only when its answer is
     still to be generated. Under a budget, a row whose length is known (prefill, or an answer kept earlier) is
     kept while the budget holds it, in row order; a new answer's length is known only once generated, so such
-    rows are computed and `pending`: kept if what the budget has left holds them when they arrive.
+    rows are computed and `pending`: kept if what the budget has left holds them when they arrive. The budget
+    counts every kept row the view links (estimated as the pass does), an earlier run's included: a rerun keeps
+    nothing more.
     Returns lists of keys, in row order: keep, pending, stream_compute (answers only), stream_plan (prefill, ids
     from the plan, no engine), streamed_known (token ids already in the store); and the budget's bytes left
     after `keep`."""
     out = {name: [] for name in ("keep", "pending", "stream_compute", "stream_plan", "streamed_known")}
     left = budget_bytes
+    if left is not None:
+        left -= sum(row_estimate(sum(s["tokens"] for s in samples), len(samples), token_bytes)
+                    for samples in (read_row(key)["samples"] for key in planned if have_row(key)))
     for key, reqs in planned.items():
         if have_row(key):
             continue
