@@ -82,6 +82,8 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
         elif not engines:  # streamed states and no engine up (every row known): training's own load
             engines = run("load-verifier", stages.load_verifier, verifier, params)
             engine_up.callback(stop_for_run, engines)
+        elif len(engines) > 1:  # training streams from one engine
+            engines = run("stop-spare-engines", stages.stop_spare_engines, engines)
         ckpt_dir = run("train-draft", stages.train_draft, verifier, states_dir, vocab_dir, init_dir, data_dir, params,
                        engines if stream else None)
         if stream:  # the engines' life spans training: their stop is a step of its own

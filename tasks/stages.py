@@ -267,6 +267,15 @@ def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_di
                                  build, inputs=inputs, resumable=True))
 
 
+@task(name="stop-spare-engines")
+def stop_spare_engines(fleet: list[engines.Engine]) -> list[engines.Engine]:
+    """Training streams from one engine (speculators' client takes one endpoint): the first that answers is
+    kept up, the others stop now rather than hold their devices through training."""
+    source = next((e for e in fleet if engines_healthy(e.endpoint)), None)
+    engines.stop_for_run([e for e in fleet if e is not source])
+    return [source] if source else []
+
+
 @task(name="stop-verifier")
 def stop_verifier(fleet: list[engines.Engine]) -> None:
     """The capture engines this run started, stopped once training no longer streams from them."""
