@@ -70,10 +70,12 @@ def eaglet_run(home: Path, sets: list[str], out: Path) -> dict:
             "peak_rss_bytes": mem.peak(), "report": report}
 
 
-def orchestration(home: Path, sets: list[str], changed: str, repeats: int) -> dict:
+def orchestration(home: Path, sets: list[str], changed: str | None, repeats: int) -> dict:
+    """A cold run, `repeats` fully cached reruns, and (`changed` set) a run with that one training setting
+    changed."""
     cold = eaglet_run(home, sets, home / "cold")
     cached = [eaglet_run(home, sets, home / f"cached{i}") for i in range(repeats)]
-    change = eaglet_run(home, sets + [changed], home / "changed")
+    change = eaglet_run(home, sets + [changed], home / "changed") if changed else None
     med_cached = _median([c["wall_s"] for c in cached])
     return {
         "cold_s": cold["wall_s"],
@@ -83,9 +85,9 @@ def orchestration(home: Path, sets: list[str], changed: str, repeats: int) -> di
         "cached_over_cold": med_cached / cold["wall_s"],
         "cached_states": sorted({t["state"] for c in cached for n, t in c["tasks"].items() if n not in UNKEYED}),
         "training_change": changed,
-        "training_change_s": change["wall_s"],
-        "training_change_over_cold": change["wall_s"] / cold["wall_s"],
-        "training_change_states": {n: t["state"] for n, t in change["tasks"].items()},
+        **({"training_change_s": change["wall_s"],
+            "training_change_over_cold": change["wall_s"] / cold["wall_s"],
+            "training_change_states": {n: t["state"] for n, t in change["tasks"].items()}} if change else {}),
         "overhead_s": {"cold": cold["wall_s"] - cold["tasks_s"],
                        "cached_median": _median([c["wall_s"] - c["tasks_s"] for c in cached]),
                        "cached": spread([c["wall_s"] - c["tasks_s"] for c in cached])},

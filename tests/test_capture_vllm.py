@@ -310,29 +310,36 @@ def test_only_new_or_edited_rows_reach_the_verifier(engine, tiny_verifier, tmp_p
     assert store.intact(view) and len(load_from_disk(str(view))) == 20
 
 
-def _kill_when_busy(storage_of, timeout: float = 900) -> tuple[dict, threading.Thread]:
+def _kill_when_busy(storage_of, store_dir: Path, timeout: float = 900) -> tuple[dict, threading.Thread]:
     """An engine dying mid-pass: once its capture directory (storage_of(): the directory or None) holds its first
-    hidden-state file (it answered the run's probe or its first request), its process group (the guard of
-    eaglet.capture.engine whose command line names that directory) is frozen with SIGSTOP, so every request the
-    pass deals it stays in flight, and killed with SIGKILL two seconds later."""
+    hidden-state file (it answered the run's probe or a request), or the run's store (`store_dir`) its first
+    published row (a file can come and go between two looks), its process group (the guard of
+    eaglet.capture.engine whose command line names that directory, found while the engine starts) is frozen
+    with SIGSTOP, so every request the pass deals it stays in flight, and killed with SIGKILL two seconds later."""
     import psutil
 
     killed: dict = {}
 
+    def busy(storage: Path) -> bool:
+        return (storage.is_dir() and any(e.name.endswith(".safetensors") for e in os.scandir(storage))
+                or any(store_dir.glob("row*/*/manifest.json")))
+
     def watch() -> None:
         deadline = time.monotonic() + timeout
+        guard = None
         while time.monotonic() < deadline:
             storage = storage_of()
-            if storage is not None and storage.is_dir() and any(
-                    e.name.endswith(".safetensors") for e in os.scandir(storage)):
-                [guard] = [p for p in psutil.process_iter(["cmdline"]) if "eaglet.capture.engine" in
-                           (p.info["cmdline"] or []) and any(str(storage) in a for a in p.info["cmdline"])]
+            if storage is not None and guard is None:
+                guard = next((p for p in psutil.process_iter(["cmdline"]) if "eaglet.capture.engine" in
+                              (p.info["cmdline"] or []) and any(str(storage) in a for a in p.info["cmdline"])),
+                             None)
+            if guard is not None and busy(storage):
                 os.killpg(guard.pid, signal.SIGSTOP)
                 time.sleep(2)
                 os.killpg(guard.pid, signal.SIGKILL)
                 killed["storage"] = storage
                 return
-            time.sleep(0.002)
+            time.sleep(0.002 if guard is not None else 0.2)
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
@@ -386,9 +393,9 @@ def test_two_served_verifiers_one_killed_mid_pass(tiny_verifier, session_dir):
         assert wrong.returncode == 2 and "captures other layers" in wrong.stderr, wrong.stderr[-2000:]
         assert "load-verifier" not in wrong.stdout + wrong.stderr
         out = session_dir / "served"
-        killed, watcher = _kill_when_busy(lambda: storages[1])
-        # 32 of the shipped prompts (the e2e settings answer all 960): what is checked is where the pass ran
-        proc = run_cli(["run", *sets, "--set=data.max_samples=32", "--set=data.max_new_tokens=16",
+        killed, watcher = _kill_when_busy(lambda: storages[1], store_dir)
+        # 64 of the shipped prompts (the e2e settings answer all 960): what is checked is where the pass ran
+        proc = run_cli(["run", *sets, "--set=data.max_samples=64", "--set=data.max_new_tokens=32",
                         "--set=training.epochs=1", "--set=smoke.enabled=false",
                         f"--set=verifier.endpoint={','.join(endpoints)}", "--output-dir", str(out)], env_extra=own)
         watcher.join(timeout=10)
@@ -425,7 +432,8 @@ def test_two_capture_engines_one_killed_mid_pass_and_states_past_the_disk_budget
     store_dir, out = session_dir / "dp-store", session_dir / "dp"
     own = {"EAGLET_HOME": str(store_dir)}
     engines_dir = store_dir / ".engines"
-    killed, watcher = _kill_when_busy(lambda: next(engines_dir.glob("*-1"), None) if engines_dir.is_dir() else None)
+    killed, watcher = _kill_when_busy(lambda: next(engines_dir.glob("*-1"), None) if engines_dir.is_dir() else None,
+                                      store_dir)
     sets = [f"--set={s}" for s in TINY_RUN + [f"verifier.path={tiny_verifier}", "extraction.data_parallel_size=2",
                                               "data.max_samples=48", "data.max_new_tokens=32", "training.epochs=1",
                                               "smoke.enabled=false"]]
