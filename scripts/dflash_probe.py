@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""DFlash probe for eaglet (issue 40; written 2026-12-06, not yet run: see docs/dflash.md).
+"""DFlash probe for eaglet (issue 40; see docs/dflash.md for its one run and what the source says).
 
 Tiny Llama verifier (eaglet.testing.tiny_verifier) -> hidden states captured with eaglet's hf backend ->
 a 1-layer DFlash draft trained for a few steps by speculators 0.9.0 (through eaglet's own train_draft, so the
