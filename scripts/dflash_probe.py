@@ -41,26 +41,14 @@ MAX_SEQ, NEW = 128, 32
 
 
 # ---------------------------------------------------------------- data (no vLLM: HF forward passes)
-def write_echo_conversations(path: Path, n: int) -> Path:
-    """tests/conftest.py's helper, inlined (importing conftest would reset env and need pytest)."""
-    from eaglet.data import write_conversations
-
-    rows = []
-    for line in PROMPTS.read_text().splitlines()[:n]:
-        p = json.loads(line)["prompt"]
-        rows.append([{"role": "user", "content": p},
-                     {"role": "assistant", "content": " ".join(reversed(p.lower().split()))}])
-    write_conversations(path, rows)
-    return path
-
-
 def prepare() -> tuple[Path, Path, Path]:
     from eaglet.capture.hf import extract_hidden_states
+    from eaglet.testing.conversations import write_echo_conversations
     from eaglet.testing.tiny_verifier import make_tiny_verifier
 
     WORK.mkdir(parents=True, exist_ok=True)
     verifier = make_tiny_verifier(WORK / "tiny-verifier", PROMPTS)
-    convs = write_echo_conversations(WORK / "conversations.jsonl", 24)
+    convs = write_echo_conversations(WORK / "conversations.jsonl", 24, PROMPTS)
     data = WORK / "states"
     if not (data / "token_freq.pt").is_file():
         data.mkdir(exist_ok=True)

@@ -67,19 +67,6 @@ def isolated_env(session_dir):
             os.environ[k] = v
 
 
-def write_echo_conversations(path: Path, n: int) -> Path:
-    """n conversations from the shipped prompts, each answered with its words reversed (no vLLM needed)."""
-    from eaglet.data import write_conversations
-
-    rows = []
-    for line in PROMPTS.read_text().splitlines()[:n]:
-        prompt = json.loads(line)["prompt"]
-        rows.append([{"role": "user", "content": prompt},
-                     {"role": "assistant", "content": " ".join(reversed(prompt.lower().split()))}])
-    write_conversations(path, rows)
-    return path
-
-
 @pytest.fixture(scope="session")
 def tiny_verifier(session_dir) -> Path:
     return make_tiny_verifier(session_dir / "tiny-verifier", PROMPTS)

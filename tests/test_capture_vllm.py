@@ -28,7 +28,8 @@ from eaglet.errors import EagletError
 from eaglet.store import file_sha256
 from eaglet.devices import visible_accelerators
 from eaglet.verifier import resolve_verifier
-from tests.conftest import ROOT, TINY_RUN, run_cli, write_echo_conversations
+from eaglet.testing.conversations import write_echo_conversations
+from tests.conftest import ROOT, TINY_RUN, run_cli
 
 AUX = [2, 4, 5]
 LAYERS = capture_layers(AUX, 8)  # the tiny verifier's 8 layers: vLLM ids [2, 4, 5, 8]
