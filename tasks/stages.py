@@ -256,7 +256,7 @@ def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_di
 
     def build(work: Path) -> None:
         progress = Progress("training", "training the draft", "epochs")
-        source = next((e for e in engines or [] if engines_healthy(e.endpoint)), None)
+        source = _first_answering(engines or [])
         train_stage(work, verifier, Path(states_dir), Path(vocab_dir), Path(init_dir) if init_dir else None,
                     Path(data_dir) / "train.jsonl", cfg, get_run_logger(), progress, source)
         progress.close()
@@ -271,9 +271,13 @@ def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_di
 def stop_spare_engines(fleet: list[engines.Engine]) -> list[engines.Engine]:
     """Training streams from one engine (speculators' client takes one endpoint): the first that answers is
     kept up, the others stop now rather than hold their devices through training."""
-    source = next((e for e in fleet if engines_healthy(e.endpoint)), None)
+    source = _first_answering(fleet)
     engines.stop_for_run([e for e in fleet if e is not source])
     return [source] if source else []
+
+
+def _first_answering(fleet: list[engines.Engine]) -> engines.Engine | None:
+    return next((e for e in fleet if engines_healthy(e.endpoint)), None)
 
 
 @task(name="stop-verifier")

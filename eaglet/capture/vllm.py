@@ -253,12 +253,13 @@ def decide_rows(planned: dict[str, list[dict]], regenerate: bool, states: str = 
     from the plan, no engine), streamed_known (token ids already in the store); and the budget's bytes left
     after `keep`."""
     out = {name: [] for name in ("keep", "pending", "stream_compute", "stream_plan", "streamed_known")}
+    kept = {key for key in planned if have_row(key)}
     left = budget_bytes
     if left is not None:
         left -= sum(row_estimate(sum(s["tokens"] for s in samples), len(samples), token_bytes)
-                    for samples in (read_row(key)["samples"] for key in planned if have_row(key)))
+                    for samples in (read_row(key)["samples"] for key in kept))
     for key, reqs in planned.items():
-        if have_row(key):
+        if key in kept:
             continue
         if states == "keep" and budget_bytes is None:
             out["keep"].append(key)
