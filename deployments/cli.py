@@ -63,15 +63,19 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:
-    from eaglet.convert import check_flat_draft
+    from eaglet import drafts
+    from eaglet.convert import is_nested, read_config
+    from eaglet.errors import EagletError
     from eaglet.smoke import load_prompts, smoke_test
-
-    from eaglet.convert import read_config
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     prompts = load_prompts(args.prompts, args.num_prompts)  # a bad prompts file fails before anything loads
-    if "speculators_config" not in read_config(Path(args.draft)):
-        check_flat_draft(Path(args.draft), args.verifier)  # flat drafts only: vLLM reports none of these problems
+    draft = Path(args.draft)
+    arch = drafts.of_checkpoint(draft)
+    if arch is not drafts.eagle3 or not is_nested(read_config(draft)):  # vLLM reports none of these problems
+        report = arch.validate(draft, args.verifier)
+        if not report.ok:
+            raise EagletError(f"draft {draft} would not work in vLLM: " + "; ".join(report.problems))
     result = smoke_test(args.verifier, args.draft, prompts, k=args.k, max_tokens=args.max_tokens, dtype=args.dtype)
     text = result.model_dump_json(indent=2)
     if args.json:
@@ -81,9 +85,14 @@ def cmd_smoke(args: argparse.Namespace) -> int:
 
 
 def cmd_flatten(args: argparse.Namespace) -> int:
+    from eaglet import drafts
     from eaglet.convert import flatten
+    from eaglet.errors import EagletError
 
     src = Path(args.src)
+    refusal = drafts.of_checkpoint(src).flatten_refusal
+    if refusal:
+        raise EagletError(f"{src}: {refusal}")
     out = Path(args.out) if args.out else src.with_name(src.name + "-flat")
     cfg = flatten(src, out, verifier=args.verifier, serving_id=args.verifier_id, layer_prefix=args.layer_prefix,
                   keep_embeddings=args.keep_embeddings)
@@ -94,9 +103,14 @@ def cmd_flatten(args: argparse.Namespace) -> int:
 
 
 def cmd_unflatten(args: argparse.Namespace) -> int:
+    from eaglet import drafts
     from eaglet.convert import unflatten
+    from eaglet.errors import EagletError
 
     src = Path(args.src)
+    refusal = drafts.of_checkpoint(src).flatten_refusal
+    if refusal:
+        raise EagletError(f"{src}: {refusal}")
     out = Path(args.out) if args.out else src.with_name(src.name + "-speculators")
     unflatten(src, out, verifier=args.verifier)
     print(f"speculators checkpoint: {out}")
@@ -104,9 +118,9 @@ def cmd_unflatten(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from eaglet.convert import validate
+    from eaglet import drafts
 
-    report = validate(Path(args.draft), args.verifier)
+    report = drafts.of_checkpoint(args.draft).validate(Path(args.draft), args.verifier)
     for w in report.warnings:
         print(f"warning: {w}")
     for p in report.problems:
@@ -268,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument("--verifier", required=True)
     smoke.add_argument("--draft", required=True)
     smoke.add_argument("--prompts", required=True, help="JSONL of prompts or conversations")
-    smoke.add_argument("--k", type=int, default=3, help="speculative tokens per step")
+    smoke.add_argument("--k", type=int, default=3, help="speculative tokens per step (a DFlash draft: at most its "
+                                                        "block size - 1)")
     smoke.add_argument("--max-tokens", type=int, default=128)
     smoke.add_argument("--num-prompts", type=int, default=None)
     smoke.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -294,8 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     unflat.add_argument("--verifier", required=True, help="verifier checkpoint the draft belongs to")
     unflat.set_defaults(fn=cmd_unflatten)
 
-    val = sub.add_parser("validate", help="check a flat draft for everything vLLM would fail on or silently drop")
-    val.add_argument("draft", help="flat draft directory")
+    val = sub.add_parser("validate", help="check a draft (flat EAGLE-3, or DFlash) for everything vLLM would fail on "
+                                          "or silently mis-serve")
+    val.add_argument("draft", help="flat EAGLE-3 draft directory, or a DFlash checkpoint directory")
     val.add_argument("--verifier", required=True, help="verifier checkpoint the draft belongs to")
     val.set_defaults(fn=cmd_validate)
 

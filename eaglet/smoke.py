@@ -1,4 +1,4 @@
-"""vLLM smoke-load: the verifier with the EAGLE-3 draft, greedy, on held-out prompts, against the verifier alone.
+"""vLLM smoke-load: the verifier with the draft (its method from the draft's config: eaglet.drafts), greedy, on held-out prompts, against the verifier alone.
 
 Reports mean acceptance length (1 + accepted / drafts, at most k + 1), per-position acceptance rates,
 whether the outputs are identical (speculative decoding must be lossless at temperature 0), and tokens/s.
@@ -21,6 +21,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from eaglet.drafts import of_checkpoint
+from eaglet.config import speculative_tokens
 from eaglet.data import prompt_part, read_conversations
 from eaglet.errors import EagletError
 from eaglet.vllm import run_job
@@ -29,6 +31,7 @@ BASELINE_FILE = "baseline.json"
 
 
 class SmokeResult(BaseModel):
+    method: str = "eagle3"  # the draft's architecture: vLLM's speculative method (eaglet.drafts)
     num_speculative_tokens: int
     mean_acceptance_length: float
     acceptance_per_position: list[float]
@@ -136,12 +139,14 @@ def smoke_test(
         baseline = _baseline(run_job(job))
     elif len(baseline["token_ids"]) != len(prompts):
         raise EagletError(f"the baseline has {len(baseline['token_ids'])} prompts, the smoke-load {len(prompts)}")
-    spec = run_job(dict(job, draft=str(draft), k=k))
+    method = of_checkpoint(draft).METHOD
+    spec = run_job(dict(job, draft=str(draft), k=k, method=method))
     counts = spec["spec"]
     drafts = counts["drafts"]
     per_pos = [a / drafts if drafts else 0.0 for a in counts["accepted_per_pos"]]
     mismatched = sum(1 for a, b in zip(baseline["token_ids"], spec["token_ids"]) if a != b)
     return SmokeResult(
+        method=method,
         num_speculative_tokens=k,
         mean_acceptance_length=1.0 + counts["accepted"] / drafts if drafts else 1.0,
         acceptance_per_position=per_pos,
@@ -173,6 +178,6 @@ def baseline_for_run(out: Path, verifier: str, data_dir: str | Path, cfg) -> dic
 
 def smoke_for_run(verifier: str, draft: str, data_dir: str | Path, baseline_dir: str | Path, cfg) -> SmokeResult:
     s = cfg.smoke
-    return smoke_test(verifier, draft, held_out_prompts(data_dir, cfg), k=s.num_speculative_tokens,
+    return smoke_test(verifier, draft, held_out_prompts(data_dir, cfg), k=speculative_tokens(cfg),
                       max_tokens=s.max_tokens, max_model_len=smoke_max_model_len(cfg), dtype=s.dtype,
                       load_format=s.load_format, baseline=read_baseline(baseline_dir))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 
-from eaglet import capture, data, keys, smoke, store
+from eaglet import capture, data, drafts, keys, smoke, store
 from eaglet.capture import engine as engines, vllm as capture_vllm
 from eaglet.capture.engine import healthy as engines_healthy
 from eaglet.config import RunConfig
@@ -303,14 +303,10 @@ def streams(states_dir: str) -> bool:
 
 @task(name="export-draft", cache_key_fn=cache_key("draft_flat", keys.export_key), persist_result=True)
 def export_draft(verifier: VerifierInfo, ckpt_dir: str, cfg: RunConfig) -> str:
-    """Flatten speculators' checkpoint into the draft vLLM loads; an invalid draft is never published."""
-    from eaglet.convert import check_flat_draft, write_flat
-
+    """speculators' checkpoint into the draft vLLM loads (the architecture's export: eaglet.drafts); an invalid
+    draft is never published."""
     def build(tmp: Path) -> None:
-        e = cfg.export
-        write_flat(Path(ckpt_dir), tmp, verifier.path, serving_id=e.serving_id, layer_prefix=e.layer_prefix,
-                   keep_embeddings=e.keep_embeddings)
-        check_flat_draft(tmp, verifier.path)
+        drafts.of(cfg.draft.architecture).export(Path(ckpt_dir), tmp, verifier.path, cfg.export)
 
     return str(store.publish("draft_flat", keys.export_key(verifier, ckpt_dir, cfg), build))
 
@@ -318,9 +314,9 @@ def export_draft(verifier: VerifierInfo, ckpt_dir: str, cfg: RunConfig) -> str:
 @task(name="validate-draft")
 def validate_draft(verifier: VerifierInfo, draft_dir: str) -> list[str]:
     """`eaglet validate` before vLLM is started: every problem at once, as one user error."""
-    from eaglet.convert import check_flat_draft
-
-    report = check_flat_draft(Path(draft_dir), verifier.path)
+    report = drafts.of_checkpoint(draft_dir).validate(Path(draft_dir), verifier.path)
+    if not report.ok:
+        raise EagletError(f"draft {draft_dir} would not work in vLLM: " + "; ".join(report.problems))
     for w in report.warnings:
         get_run_logger().warning(w)
     return report.warnings
@@ -346,7 +342,7 @@ def smoke_test(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseline_d
     """One vLLM engine: the verifier with the draft, compared with the kept baseline (lossless, tokens/s)."""
     with store.in_use(baseline_dir):
         result = smoke.smoke_for_run(verifier.path, draft_dir, data_dir, baseline_dir, cfg)
-    get_run_logger().info(f"mean acceptance length {result.mean_acceptance_length:.3f} at "
+    get_run_logger().info(f"{result.method} draft: mean acceptance length {result.mean_acceptance_length:.3f} at "
                           f"k={result.num_speculative_tokens}, lossless={result.lossless} (verifier alone measured "
                           f"{result.baseline_measured})")
     return result.model_dump()

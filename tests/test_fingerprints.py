@@ -88,7 +88,12 @@ IN_KEYS = [
     "data.max_seq_len", "data.eval_fraction", "data.max_samples", "data.regenerate", "data.max_new_tokens",
     "data.temperature", "data.responses_per_prompt", "data.seed",
     "extraction.engine_dtype", "extraction.dtype", "extraction.states", "extraction.disk_budget_gb",
-    "draft.draft_vocab_size", "draft.norm_before_residual", "draft.norm_before_fc", "draft.norm_output",
+    "draft.architecture", "draft.draft_vocab_size", "draft.norm_before_residual", "draft.norm_before_fc",
+    "draft.norm_output",
+    # perturbed on a dflash run (test_every_parameter_changes_the_keys_it_affects); on an eagle3 run they are in no
+    # key (test_other_architectures_settings_leave_eagle3_keys_alone)
+    "dflash.block_size", "dflash.num_layers", "dflash.max_anchors", "dflash.position_weight", "dflash.decay_gamma",
+    "dflash.mask_token_id",
     "training.epochs", "training.lr", "training.optimizer", "training.scheduler", "training.warmup_steps",
     "training.ttt_steps", "training.total_seq_len", "training.seed", "training.cpu_dtype", "training.loss",
     "training.ttt_step_loss_decay",
@@ -102,7 +107,8 @@ AUTO_RESOLVED = {
     "training.cpu_dtype": lambda cfg: cpu_dtype(cfg.training.cpu_dtype),
     "extraction.engine_dtype": lambda cfg: capture_engine_dtype(cfg),
 }
-OTHER_VALUE = {"training.loss": "ce", "extraction.disk_budget_gb": 2.5}  # valid values of free-form fields
+OTHER_VALUE = {"training.loss": "ce", "extraction.disk_budget_gb": 2.5,  # valid values of free-form fields
+               "draft.architecture": "dflash", "dflash.num_layers": 2}
 
 
 def _other_value(model, name, value, where=""):
@@ -159,13 +165,29 @@ def test_every_parameter_changes_the_keys_it_affects(where, verifier, data_file)
     # rows held out by digest (data.eval_fraction); sampled answers only where more than one per prompt is
     # perturbed (more than one greedy answer per prompt is refused)
     sampled = {"temperature": 0.7} if name == "responses_per_prompt" else {}
-    base = RunConfig.model_validate({"data": {"path": data_file, **sampled}})
+    arch = {"draft": {"architecture": "dflash"}, "training": {"loss": "ce"}} if section == "dflash" else {}
+    base = RunConfig.model_validate({"data": {"path": data_file, **sampled}, **arch})
     sec = getattr(base, section)
     other = _other_value(sec, name, getattr(sec, name), where)
     changed = base.model_copy(update={section: sec.model_copy(update={name: other})})
     RunConfig.model_validate(changed.model_dump())  # the perturbed value is a valid parameter
     before, after = _chain(base, verifier, data_file), _chain(changed, verifier, data_file)
     assert before != after, f"{where} changes no artifact key"
+
+
+def test_other_architectures_settings_leave_eagle3_keys_alone(verifier, data_file):
+    """An eagle3 run's keys are those of drafts trained before eaglet had a second architecture, whatever the
+    dflash section says; the resolved defaults (loss, k) are the same artifacts as the explicit values."""
+    base = RunConfig.model_validate({"data": {"path": data_file}})
+    other = RunConfig.model_validate({"data": {"path": data_file}, "dflash": {"block_size": 8, "num_layers": 3}})
+    explicit = RunConfig.model_validate({"data": {"path": data_file}, "training": {"loss": "kl_div"},
+                                         "smoke": {"num_speculative_tokens": 3}})
+    assert _chain(base, verifier, data_file) == _chain(other, verifier, data_file) == \
+        _chain(explicit, verifier, data_file)
+    dflash = _chain(RunConfig.model_validate({"data": {"path": data_file}, "draft": {"architecture": "dflash"}}),
+                    verifier, data_file)
+    same_rows = ("data", "hidden_states", "row", "vocab", "baseline")  # one capture feeds both architectures
+    assert all(dflash[k] == _chain(base, verifier, data_file)[k] for k in same_rows)
 
 
 @pytest.mark.parametrize("where", sorted(AUTO_RESOLVED))

@@ -103,7 +103,7 @@ def render_markdown(report: dict) -> str:
         f"- data: {report.get('data_summary') or report['artifacts']['data']}",
         *_engine_shares((report.get("extraction") or {}).get("engines") or []),
         *_states_line(report),
-        f"- flat draft (vLLM): `{report['draft_dir']}`",
+        f"- draft (vLLM, {report['params']['draft'].get('architecture', 'eagle3')}): `{report['draft_dir']}`",
         f"- speculators checkpoint: `{report['speculators_dir']}`",
         f"- verifier weight loads before training: {report['verifier_loads']}; engine loads by stage: "
         + ", ".join(f"{k} {v}" for k, v in report.get("engine_loads", {}).items())
@@ -127,11 +127,13 @@ def render_markdown(report: dict) -> str:
             "",
             "## vLLM smoke test",
             "",
-            f"- k = {s['num_speculative_tokens']}, {s['num_prompts']} held-out prompts, greedy",
+            f"- draft: {s.get('method', 'eagle3')}, k = {s['num_speculative_tokens']}, {s['num_prompts']} held-out "
+            "prompts, greedy",
             f"- mean acceptance length: **{s['mean_acceptance_length']:.3f}** (1 + accepted / drafts; at most "
             f"{s['num_speculative_tokens'] + 1})",
             "- acceptance per position: " + ", ".join(f"{a:.3f}" for a in s["acceptance_per_position"]),
-            "- speculators' validation, averaged over every position (1 + sum of full_acc_k, delivered epoch): "
+            "- speculators' validation, delivered epoch (eagle3: 1 + sum of full_acc_k, the position average; "
+            "dflash: 1 + eal): "
             + (f"{report['simulated_acceptance']:.3f}" if report.get("simulated_acceptance") else "not available"),
             "- simulated decoding on those validation rows (drafts start where the previous step ended; a token "
             "outside the draft vocabulary is rejected), what vLLM should measure: " + _decoding(report),
@@ -160,12 +162,13 @@ def render_markdown(report: dict) -> str:
     if hist:
         from eaglet.report.history import when
 
-        lines += ["", "## Draft history (this directory)", "", "| finished | draft | mean acceptance | per position "
-                  "| lossless | rows | warm start | current |", "|---|---|---:|---|---|---:|---|---|"]
+        lines += ["", "## Draft history (this directory)", "", "| finished | draft | architecture, k | mean acceptance "
+                  "| per position | lossless | rows | warm start | current |", "|---|---|---|---:|---|---|---:|---|---|"]
         for h in hist:
             acc = f"{h['acceptance']:.3f}" if h["acceptance"] is not None else "-"
             per = ", ".join(f"{a:.3f}" for a in h["per_position"] or [])
-            lines.append(f"| {when(h['finished'])} | `{h['draft']}` | {acc} | {per} | {h['lossless']} | "
+            lines.append(f"| {when(h['finished'])} | `{h['draft']}` | {h['architecture']}, {h['k'] or '-'} | {acc} | "
+                         f"{per} | {h['lossless']} | "
                          f"{h['training_rows'] or '-'} | {'yes' if h['init'] else 'no'} | "
                          f"{'**current**' if h['current'] else ''} |")
         if plots.get("history"):

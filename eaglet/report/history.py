@@ -103,7 +103,9 @@ def keep(out: Path, draft_key: str, promoted: bool) -> Path:
 
 
 def history(out: Path) -> list[dict]:
-    """Every kept draft, oldest first: when, key, acceptance per position, lossless, rows, current or not."""
+    """Every kept draft, oldest first: when, key, architecture and k, acceptance per position, lossless, rows,
+    current or not. Drafts of either architecture measured at the same k on the same prompts compare (and one may
+    replace the other as current: the draft's config tells vLLM its method)."""
     cur = (out / CURRENT).resolve().name if (out / CURRENT).is_symlink() else None
     rows = []
     for report in (out / DRAFTS).glob("*/report.json") if (out / DRAFTS).is_dir() else []:
@@ -112,6 +114,8 @@ def history(out: Path) -> list[dict]:
         rows.append({
             "finished": r.get("finished") or report.stat().st_mtime,
             "draft": report.parent.name,
+            "architecture": smoke.get("method") or (r.get("params") or {}).get("draft", {}).get("architecture", "eagle3"),
+            "k": smoke.get("num_speculative_tokens"),
             "acceptance": smoke.get("mean_acceptance_length"),
             "per_position": smoke.get("acceptance_per_position"),
             "lossless": smoke.get("lossless"),
@@ -128,7 +132,7 @@ def when(t: float) -> str:
 
 def history_table(out: Path) -> list[dict]:
     """history() as the rows of a table (the Prefect UI's draft-history artifact)."""
-    return [{"finished": when(h["finished"]), "draft": h["draft"],
+    return [{"finished": when(h["finished"]), "draft": h["draft"], "architecture": h["architecture"], "k": h["k"],
              "mean acceptance": round(h["acceptance"], 4) if h["acceptance"] is not None else None,
              "per position": ", ".join(f"{a:.3f}" for a in h["per_position"] or []), "lossless": h["lossless"],
              "rows": h["training_rows"], "warm start": "yes" if h["init"] else "no",

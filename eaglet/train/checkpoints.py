@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -90,15 +91,17 @@ def last_checkpoint(save_path: Path) -> Path:
     return epochs[-1]
 
 
-def best_checkpoint(save_path: Path, metrics_file: Path) -> tuple[Path, float | None]:
-    """The complete epoch checkpoint whose validation predicts the longest acceptance (simulated_acceptance), and
-    that figure; the last epoch when no epoch was validated. speculators' own --save-best ranks by validation loss,
+def best_checkpoint(save_path: Path, metrics_file: Path,
+                    score: Callable[[dict], float | None] = simulated_acceptance) -> tuple[Path, float | None]:
+    """The complete epoch checkpoint whose validation predicts the longest acceptance (score: the architecture's,
+    eaglet.drafts; EAGLE-3's simulated_acceptance by default), and that figure; the last epoch when no epoch was
+    validated. speculators' own --save-best ranks by validation loss,
     which for a KL loss also rewards matching the verifier's low-probability tokens that acceptance never sees."""
     last = last_checkpoint(save_path)
     scored = {}
     for row in read_metrics(metrics_file):
         if row["kind"] == "val" and (save_path / str(row["epoch"]) / "model.safetensors").is_file():
-            scored[row["epoch"]] = simulated_acceptance(row["metrics"])  # a resumed epoch: its last row wins
+            scored[row["epoch"]] = score(row["metrics"])  # a resumed epoch: its last row wins
     scored = {e: a for e, a in scored.items() if a is not None and int(e) <= int(last.name)}
     if not scored:
         return last, None

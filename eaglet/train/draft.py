@@ -10,10 +10,9 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from eaglet import convert
+from eaglet import convert, drafts
 from eaglet.config import RunConfig
 from eaglet.devices import on_accelerator
-from eaglet.train import acceptance
 from eaglet.train.checkpoints import (best_checkpoint, discard_incomplete_checkpoints, write_delivered,
                                       write_final_draft)
 from eaglet.train.launch import BF16_MIN_SPEEDUP, bf16_matmul_speedup, cpu_dtype, speculators_argv, train_draft
@@ -55,12 +54,13 @@ def train_stage(work_dir: Path, verifier: VerifierInfo, states_dir: Path, vocab_
             data_path = work_dir / REPLAY_VIEW
             log.info(f"warm start trains on {view['rows']} rows: {view['new']} its lineage never saw and "
                      f"{view['replayed']} replayed (training.warm_replay_fraction {training.warm_replay_fraction})")
+    arch = drafts.of(cfg.draft.architecture)
     argv = speculators_argv(verifier.path, data_path, vocab_dir, work, verifier.aux_layer_ids,
                             cfg.draft.draft_vocab_size, cfg.draft, training, verifier.trust_remote_code,
                             draft_config=layer_config, multimodal=verifier.nested_text_config,
                             states_dtype=cfg.extraction.dtype,
                             init=warm_start_weights(init_dir) if init_dir else None,
-                            endpoint=engine.endpoint if stream else None)
+                            endpoint=engine.endpoint if stream else None, dflash=cfg.dflash)
     (work_dir / ARGV_FILE).write_text(json.dumps(argv))
     if training.cpu_dtype == "auto" and not on_accelerator():
         log.info(f"training in {cpu_dtype('auto')} on this CPU: its bf16 matmuls run {bf16_matmul_speedup():.2f}x "
@@ -69,9 +69,10 @@ def train_stage(work_dir: Path, verifier: VerifierInfo, states_dir: Path, vocab_
         log.info(f"{streamed} rows stream their states from the capture engine at {engine.endpoint} (a verifier "
                  "forward pass each time training reads one)")
         served_before = requests_served(engine.endpoint)
-    train_draft(argv, work_dir / METRICS_FILE, training_monitor(log, progress, training.epochs), stream=stream)
+    train_draft(argv, work_dir / METRICS_FILE, training_monitor(log, progress, training.epochs, arch.score),
+                stream=stream)
 
-    best, predicted = best_checkpoint(work, work_dir / METRICS_FILE)
+    best, predicted = best_checkpoint(work, work_dir / METRICS_FILE, arch.score)
     if predicted is not None:
         log.info(f"epoch {int(best.name) + 1} of {training.epochs} predicts the longest acceptance "
                  f"({predicted:.3f}): it is the draft")
@@ -79,7 +80,7 @@ def train_stage(work_dir: Path, verifier: VerifierInfo, states_dir: Path, vocab_
     write_delivered(work_dir, best, predicted)
     write_lineage(work_dir, train_file, init_dir, view_rows(states_dir)["rows"] or None)
     try:  # what vLLM should measure: decoding simulated on the validation rows (eaglet.train.acceptance)
-        sim = acceptance.write(best, argv, work_dir / "acceptance.json", stream)
+        sim = arch.simulate(best, argv, work_dir / "acceptance.json", stream)
     except Exception as e:  # a figure for the report, not a reason to lose the training
         log.warning(f"could not simulate decoding on the validation rows: {type(e).__name__}: {e}")
         sim = None

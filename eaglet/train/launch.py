@@ -1,7 +1,7 @@
-"""Train an EAGLE-3 draft with speculators: its model, its Trainer, its CLI config, in this process.
+"""Train a draft with speculators: its model, its Trainer, its CLI config, in this process.
 
 We build the same `TrainConfig` the `speculators train` CLI would and call its `main`, so every training
-choice (TTT steps, loss, optimizer, checkpointing, resume) is speculators' own. On CPU, three hard-coded
+choice (the architecture's own, loss, optimizer, checkpointing, resume) is speculators' own. On CPU, three hard-coded
 accelerator calls are patched in `cpu_patches`, and the CPU-capable kernels are selected.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from eaglet.config import DraftParams, TrainingParams, loss_spec
+from eaglet.config import DEFAULT_LOSS, DFlashParams, DraftParams, TrainingParams, loss_spec
 from eaglet.devices import on_accelerator, visible_accelerators
 from eaglet.train.cpu import cpu_patches, float32_muon, keep_log_handlers, lossless_checkpoints
 from eaglet.train.metrics import MetricsRecorder, follow_metrics, metrics_end
@@ -78,12 +78,18 @@ def speculators_argv(
     states_dtype: str = "bfloat16",
     init: Path | None = None,
     endpoint: str | None = None,
+    dflash: DFlashParams | None = None,
 ) -> list[str]:
-    """The `speculators train` arguments for this run (also written to the artifact for reproduction). endpoint: the
-    capture engine that computes the states of samples the view does not hold (extraction.states)."""
-    flag = lambda name, on: f"--{name}" if on else f"--no-{name}"  # noqa: E731
+    """The `speculators train` arguments for this run (also written to the artifact for reproduction): the draft
+    architecture's own (eaglet.drafts), then what every architecture shares. endpoint: the capture engine that
+    computes the states of samples the view does not hold (extraction.states)."""
+    from eaglet import drafts
+
+    arch = drafts.of(draft.architecture)
+    dflash = dflash or DFlashParams()
+    loss = training.loss if training.loss is not None else DEFAULT_LOSS[draft.architecture]
     argv = [
-        "--speculator-type", "eagle3",
+        *arch.speculators_args(draft, training, dflash),
         "--verifier-name-or-path", verifier_path,
         "--data-path", str(data_path),
         "--save-path", str(save_path),
@@ -92,17 +98,12 @@ def speculators_argv(
         "--draft-vocab-size", str(draft_vocab_size),
         "--d2t-path", str(vocab_dir / "d2t.npy"),
         "--t2d-path", str(vocab_dir / "t2d.npy"),
-        flag("norm-before-residual", draft.norm_before_residual),
-        flag("norm-before-fc", draft.norm_before_fc),
-        flag("norm-output", draft.norm_output),
         "--epochs", str(training.epochs),
         "--lr", str(training.lr),
         "--optimizer", training.optimizer,
         "--scheduler-type", training.scheduler,
         "--scheduler-warmup-steps", str(training.warmup_steps),
-        "--ttt-steps", str(training.ttt_steps),
-        "--ttt-step-loss-decay", str(training.ttt_step_loss_decay),
-        "--loss-fn", loss_spec(training.loss),
+        "--loss-fn", loss_spec(loss),
         "--total-seq-len", str(training.total_seq_len),
         "--train-data-ratio", "0.95",
         "--seed", str(training.seed),
@@ -114,7 +115,7 @@ def speculators_argv(
     argv += ["--vllm-endpoint", f"{endpoint}/v1", "--on-missing", "generate"] if endpoint else ["--on-missing", "raise"]
     if states_dtype == "fp8":  # hs-connectors' reader dequantizes e4m3 + per-token scales on load
         argv += ["--hidden-states-backend", "fp8"]
-    if multimodal:
+    if multimodal and "--mask-token-id" not in argv:
         # speculators resolves a mask token (used by DFlash/P-EAGLE, never by EAGLE-3) through AutoProcessor,
         # which for Kimi-K2.5 / VL verifiers loads the image processor (torchvision); an explicit id skips it.
         argv += ["--mask-token-id", str(_any_special_token_id(verifier_path))]
@@ -123,7 +124,7 @@ def speculators_argv(
     elif draft_config is not None:  # shapes from a reference draft (draft.like) instead of the verifier
         argv += ["--draft-config", str(draft_config)]  # speculators refuses the shaping flags beside it
     else:
-        argv += ["--num-layers", "1", "--draft-arch", "llama", "--full-attention-indices", "0"]
+        argv += arch.shape_args(draft, dflash)
     if on_accelerator():
         argv += ["--hidden-states-dtype", "bfloat16"]  # GPU defaults: flex attention, fused loss
     else:

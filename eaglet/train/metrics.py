@@ -80,23 +80,26 @@ def follow_metrics(path: Path, on_metrics: Callable[[dict], None], stop: threadi
             return
 
 
-def training_monitor(log, progress: Callable[..., None], epochs: int) -> Callable[[dict], None]:
+def training_monitor(log, progress: Callable[..., None], epochs: int,
+                     score: Callable[[Mapping[str, float]], float | None] | None = None) -> Callable[[dict], None]:
     """on_metrics for train_draft: speculators' metrics into the run log (every 10th logged step, every epoch's
     validation) and progress(done, total, note=...) in epochs. speculators logs every 10th step and says nothing of
-    an epoch's length, so progress within an epoch is known from the second epoch on (the first one's last step)."""
+    an epoch's length, so progress within an epoch is known from the second epoch on (the first one's last step).
+    score: the architecture's predicted acceptance from validation metrics (default simulated_acceptance)."""
+    score = score or simulated_acceptance
     last_step: dict[int, int] = {}  # epoch -> the last global step seen in it
     rows = 0
 
     def short(metrics: dict) -> str:
-        return ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith(("loss", "full_acc")))
+        return ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith(("loss", "full_acc", "eal")))
 
     def on_metrics(row: dict) -> None:
         nonlocal rows
         epoch = row["epoch"] or 0
         if row["kind"] == "val":
-            sim = simulated_acceptance(row["metrics"])
+            sim = score(row["metrics"])
             log.info(f"epoch {epoch} validation: {short(row['metrics'])}"
-                     + (f"; simulated acceptance length {sim:.3f}" if sim else ""))
+                     + (f"; predicted acceptance length {sim:.3f}" if sim else ""))
             progress(epoch + 1, epochs, note=f"{epoch + 1} of {epochs} epochs done")
             last_step[epoch] = row["step"] or last_step.get(epoch, 0)  # the epoch's last step
             return

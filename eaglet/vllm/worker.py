@@ -34,7 +34,7 @@ def _engine(job: dict):
     )
     if job.get("draft"):
         kwargs["speculative_config"] = {
-            "method": "eagle3",  # never let vLLM guess the method from the directory name
+            "method": job.get("method", "eagle3"),  # never let vLLM guess it from the directory name
             "model": job["draft"],
             "num_speculative_tokens": job["k"],
         }

