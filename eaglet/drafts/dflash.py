@@ -43,10 +43,9 @@ def shape_args(draft, dflash) -> list[str]:
 
 
 def score(val_metrics: dict) -> float | None:
-    """1 + speculators' `eal` (expected accepted length: the run of right positions after the anchor, per block),
-    the figure vLLM's mean acceptance length measures."""
-    eal = next((v for k, v in val_metrics.items() if k == "eal" or k.startswith("eal_")), None)
-    return 1.0 + eal if eal is not None else None
+    """speculators' `eal`: per block, the run of right positions after the anchor plus the verifier's bonus token,
+    which is what vLLM's mean acceptance length measures (1 + accepted / drafts)."""
+    return next((v for k, v in val_metrics.items() if k == "eal" or k.startswith("eal_")), None)
 
 
 def simulate(epoch_dir: Path, argv: list[str], out: Path, stream: dict | None) -> None:

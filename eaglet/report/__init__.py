@@ -133,7 +133,7 @@ def render_markdown(report: dict) -> str:
             f"{s['num_speculative_tokens'] + 1})",
             "- acceptance per position: " + ", ".join(f"{a:.3f}" for a in s["acceptance_per_position"]),
             "- speculators' validation, delivered epoch (eagle3: 1 + sum of full_acc_k, the position average; "
-            "dflash: 1 + eal): "
+            "dflash: eal, the accepted run per block + 1): "
             + (f"{report['simulated_acceptance']:.3f}" if report.get("simulated_acceptance") else "not available"),
             "- simulated decoding on those validation rows (drafts start where the previous step ended; a token "
             "outside the draft vocabulary is rejected), what vLLM should measure: " + _decoding(report),
