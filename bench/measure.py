@@ -256,8 +256,10 @@ def decoding(verifier_path: str, draft: str, prompts: list, ks: list[int], max_t
     batch1["prompts"] prompts one at a time, alternating alone / draft, batch1["repeats"] of each.
     batched_in_pair (the `check` preset, ks == batch1["ks"] == [k]): the batched rows from the batch-1 pair's two
     engines (bench.decode_pair's "batched"), after its passes, instead of two more engines started for them."""
+    from eaglet.drafts import of_checkpoint
     from eaglet.vllm import run_job
 
+    method = of_checkpoint(draft).METHOD  # eagle3 or dflash: the draft's config says
     if batched_in_pair and not (len(ks) == 1 and list(ks) == list(batch1["ks"])):
         raise ValueError(f"batched_in_pair needs one k, the batch-1 pair's: ks {ks}, batch 1 {batch1['ks']}")
     job = {"verifier": verifier_path, "conversations": prompts, "max_tokens": max_tokens, "dtype": dtype,
@@ -265,10 +267,10 @@ def decoding(verifier_path: str, draft: str, prompts: list, ks: list[int], max_t
     rows, base = [], None
     if not batched_in_pair:
         base = run_job(job)
-        rows = [_batched_row(k, run_job(dict(job, draft=draft, k=k)), base) for k in ks]
+        rows = [_batched_row(k, run_job(dict(job, draft=draft, k=k, method=method)), base) for k in ks]
     b1 = []
     for k in batch1["ks"]:
-        res = _decode_pair({"verifier": verifier_path, "draft": draft, "k": k, "dtype": dtype,
+        res = _decode_pair({"verifier": verifier_path, "draft": draft, "method": method, "k": k, "dtype": dtype,
                             "conversations": prompts[: batch1["prompts"]], "max_tokens": batch1["max_tokens"],
                             "max_model_len": max_model_len, "warmup": batch1["warmup"],
                             "repeats": batch1["repeats"],
@@ -292,7 +294,7 @@ def decoding(verifier_path: str, draft: str, prompts: list, ks: list[int], max_t
             and all(x["alone"]["token_ids"] == passes[0]["alone"]["token_ids"] for x in passes),
             "load_seconds": res["load_seconds"],
         })
-    return {"prompts": len(prompts), "max_tokens": max_tokens, "dtype": dtype,
+    return {"prompts": len(prompts), "max_tokens": max_tokens, "dtype": dtype, "method": method,
             "baseline_tokens_per_s_batched": base["tokens_per_s"], "baseline_seconds_batched": base["seconds"],
             "k": rows, "batched_engines": "the batch-1 pair's" if batched_in_pair else "one per configuration",
             "batch1": {**batch1, "rows": b1}}

@@ -46,7 +46,7 @@ PRESETS = {
         "sets": ["data.max_samples=32", "data.max_seq_len=128", "data.max_new_tokens=8",
                  "draft.draft_vocab_size=256", "training.epochs=1", "training.total_seq_len=256",
                  "smoke.enabled=false"],
-        # no training-only change run: tests/test_flow_e2e.py's learning-rate rerun checks the same states
+        # no training-only change run: tests/test_dflash.py's rerun as dflash checks the same states
         "changed": None, "repeats": 1, "ks": [1], "decode_prompts": 4, "max_tokens": 16,
         "warm_steps": 1, "realistic_epochs": 1, "datapass_prompts": None, "batched_in_pair": True,
         # batch-1 passes of 4 x 32 tokens (tiny's: 4 x 8): the batch-1 check (speedup <= acceptance length, no

@@ -1,5 +1,5 @@
 """The benchmark harness, once, on the tiny verifier with the `check` preset (bench/run.py: the smallest sizes that
-still exercise every code path, one repeat, one k, no training-only change run (test_flow_e2e's learning-rate
+still exercise every code path, one repeat, one k, no training-only change run (test_dflash's dflash
 rerun checks what it would), the batched decoding rows on the batch-1 pair's engines, the
 realistic-length training row from the comparison's pair): every row is filled (min / median / max of its one
 repeat), start-up is itemised, and the decoding invariants hold (no tolerance). No timing assertions: the numbers

@@ -45,6 +45,26 @@ def test_invalid_parameters_are_one_clear_sentence(override, message):
         load_config(None, [override])
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["training.loss=kl_div"], "dflash.position_weight=dpace needs training.loss=ce"),
+    (["smoke.num_speculative_tokens=4"], "more than a DFlash block of 4 can draft (3)"),
+    (["draft.like=/drafts/kimi"], "draft.like takes an EAGLE-3 reference draft"),
+])
+def test_dflash_settings_that_do_not_fit_are_one_sentence(overrides, message):
+    with pytest.raises(EagletError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
+        load_config(None, ["draft.architecture=dflash", *overrides])
+    assert "\n" not in str(e.value) and "Value error" not in str(e.value)
+    load_config(None, overrides[:1] if "like" not in overrides[0] else [])  # each is fine for eagle3
+
+
+def test_empty_defaults_resolve_per_architecture():
+    from eaglet.config import loss_name, speculative_tokens
+
+    eagle3, dflash = load_config(), load_config(None, ["draft.architecture=dflash", "dflash.block_size=8"])
+    assert (loss_name(eagle3), speculative_tokens(eagle3)) == ("kl_div", 3)
+    assert (loss_name(dflash), speculative_tokens(dflash)) == ("ce", 7)
+
+
 def test_every_field_is_described():
     def walk(model):
         for name, field in model.model_fields.items():

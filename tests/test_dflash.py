@@ -43,10 +43,17 @@ def dflash_run(e2e_run, session_dir):
 
 @pytest.mark.e2e
 def test_dflash_trains_on_the_same_rows_and_vllm_serves_it(dflash_run, e2e_run):
+    """A training-side change (the suite's only one: it stands for any, e.g. a new learning rate): no verifier load
+    for the data, and one vLLM engine in total (the smoke-load with the new draft; the verifier alone is the kept
+    baseline)."""
     r, first = dflash_run["report"], e2e_run["report"]
     for kind in ("data", "hidden_states", "vocab", "baseline"):  # one capture, one vocabulary, one baseline
         assert r["artifacts"][kind] == first["artifacts"][kind], kind
-    assert r["verifier_loads"] == 0 and r["engine_loads"] == {"data": 0, "smoke": 1}
+    assert r["verifier_loads"] == 0 and "load-verifier" not in r["tasks"]
+    assert r["engine_loads"] == {"data": 0, "smoke": 1} and set(r["load_seconds"]) == {"smoke-test"}
+    for name in ("prepare-data", "generate-and-capture", "build-vocab", "verifier-baseline"):
+        assert r["tasks"][name]["state"] == "Cached", name
+    assert r["tasks"]["train-draft"]["state"] == "Completed" and r["tasks"]["smoke-test"]["state"] == "Completed"
     ckpt = Path(r["artifacts"]["checkpoint"])
     argv = json.loads((ckpt / "speculators_train_argv.json").read_text())
     assert argv_value(argv, "--speculator-type") == "dflash" and argv_value(argv, "--block-size") == "4"
@@ -61,6 +68,8 @@ def test_dflash_trains_on_the_same_rows_and_vllm_serves_it(dflash_run, e2e_run):
     s = r["smoke"]
     assert s["method"] == "dflash" and s["num_speculative_tokens"] == 3 and len(s["acceptance_per_position"]) == 3
     assert s["lossless"] is True and s["drafts"] > 0 and s["num_prompts"] == 16
+    assert s["baseline_reused"] and s["load_seconds_without_draft"] == 0 and s["tokens_per_s_with_draft"] > 0
+    assert s["tokens_per_s_without_draft"] == first["smoke"]["tokens_per_s_without_draft"] > 0
     assert 1.0 <= s["mean_acceptance_length"] <= 4.0
     # vLLM serves what speculators trained: its acceptance is near what the validation rows predict (a block served
     # causal, or a wrong mask token, would fall far below). Tiny run, 2026-12-06: 1.712 predicted, 1.709 measured.
@@ -72,6 +81,7 @@ def test_dflash_trains_on_the_same_rows_and_vllm_serves_it(dflash_run, e2e_run):
     assert r["comparison"] == first["comparison"] and r["promotion"]["delta"] is not None
     md = (dflash_run["out"] / "report.md").read_text()
     assert "draft: dflash, k = 3" in md and "| eagle3, 3 |" in md and "| dflash, 3 |" in md
+    assert "the kept baseline" in md
 
 
 def _variant(draft: Path, tmp: Path, name: str, change=None, drop: str | None = None) -> Path:

@@ -1,4 +1,4 @@
-"""Conversations the tests (and scripts/dflash_probe.py) train on without generating: no vLLM needed."""
+"""Conversations the tests train on without generating: no vLLM needed."""
 
 from __future__ import annotations
 
