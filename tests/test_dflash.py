@@ -57,6 +57,10 @@ def test_dflash_trains_on_the_same_rows_and_vllm_serves_it(dflash_run, e2e_run):
     ckpt = Path(r["artifacts"]["checkpoint"])
     argv = json.loads((ckpt / "speculators_train_argv.json").read_text())
     assert argv_value(argv, "--speculator-type") == "dflash" and argv_value(argv, "--block-size") == "4"
+    from eaglet.report.plots import _series
+    from eaglet.train import read_metrics
+
+    assert _series(read_metrics(ckpt))[1] == [(f"block position {i}", f"position_{i}_acc") for i in (1, 2, 3)]
     predicted = json.loads((ckpt / "best_epoch.json").read_text())["simulated"]
     assert predicted is not None and 1.0 <= predicted <= 4.0  # speculators' eal of the delivered epoch
 

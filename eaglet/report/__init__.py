@@ -120,7 +120,7 @@ def render_markdown(report: dict) -> str:
     lines.append(f"| **total** | | **{sum(t['seconds'] for t in tasks.values()):.1f}** |")
     plots = report.get("plots") or {}
     if plots.get("training"):
-        lines += ["", "## Training", "", f"![training loss and accuracy per TTT step]({plots['training']})"]
+        lines += ["", "## Training", "", f"![training loss and accuracy per TTT step or block position]({plots['training']})"]
     s = report.get("smoke")
     if s:
         lines += [

@@ -21,9 +21,21 @@ def _ttt_steps(rows: list[dict], prefix: str) -> list[int]:
     return sorted(steps)
 
 
+def _series(rows: list[dict]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(label, metric name) of the loss and accuracy curves: per TTT step for eagle3 (loss_i, full_acc_i), one loss
+    and per block position for dflash (loss, position_i_acc)."""
+    steps = _ttt_steps(rows, "loss")
+    losses = [(f"TTT step {i}", f"loss_{i}") for i in steps] or [("loss", "loss")]
+    accs = [(f"TTT step {i}", f"full_acc_{i}") for i in _ttt_steps(rows, "full_acc")]
+    positions = sorted({int(k.split("_")[1]) for r in rows for k in r["metrics"]
+                        if k.startswith("position_") and k.split("_")[1].isdigit()})
+    return losses, accs or [(f"block position {i}", f"position_{i}_acc") for i in positions]
+
+
 def training_curves(metrics: list[dict], out: Path) -> Path | None:
     """metrics: eaglet.train.read_metrics rows. Left: training loss per step for each TTT step (validation
-    loss per epoch as markers); right: validation full accuracy per epoch for each TTT step."""
+    loss per epoch as markers); right: validation full accuracy per epoch for each TTT step (a DFlash draft: one
+    loss, accuracy per block position)."""
     last: dict[tuple, dict] = {}
     for r in metrics:  # a resumed run logs the redone steps again: the last record wins
         last[(r["kind"], r["step"] if r["kind"] == "train" else r["epoch"])] = r
@@ -36,21 +48,20 @@ def training_curves(metrics: list[dict], out: Path) -> Path | None:
     for r in train:
         epoch_end[r["epoch"]] = max(epoch_end.get(r["epoch"], 0), r["step"])
     val_at = [r for r in val if r["epoch"] in epoch_end]
-    for i in _ttt_steps(train + val, "loss"):
-        line, = ax_loss.plot([r["step"] for r in train], [r["metrics"].get(f"loss_{i}") for r in train],
-                             lw=0.8, alpha=0.8, label=f"TTT step {i}")
-        ax_loss.plot([epoch_end[r["epoch"]] for r in val_at], [r["metrics"].get(f"loss_{i}_epoch") for r in val_at],
+    losses, accs = _series(train + val)
+    for label, name in losses:
+        line, = ax_loss.plot([r["step"] for r in train], [r["metrics"].get(name) for r in train],
+                             lw=0.8, alpha=0.8, label=label)
+        ax_loss.plot([epoch_end[r["epoch"]] for r in val_at], [r["metrics"].get(f"{name}_epoch") for r in val_at],
                      "o", color=line.get_color())
-    for i in _ttt_steps(val or train, "full_acc"):
+    for label, name in accs:
         if val:
-            ax_acc.plot([r["epoch"] for r in val], [r["metrics"].get(f"full_acc_{i}_epoch") for r in val],
-                        "o-", label=f"TTT step {i}")
+            ax_acc.plot([r["epoch"] for r in val], [r["metrics"].get(f"{name}_epoch") for r in val], "o-", label=label)
         else:
-            ax_acc.plot([r["step"] for r in train], [r["metrics"].get(f"full_acc_{i}") for r in train],
-                        lw=0.8, label=f"TTT step {i}")
+            ax_acc.plot([r["step"] for r in train], [r["metrics"].get(name) for r in train], lw=0.8, label=label)
     ax_loss.set(title="loss (lines: training steps, dots: validation)", xlabel="step", ylabel="loss")
     ax_acc.set(title="validation accuracy" if val else "training accuracy", xlabel="epoch" if val else "step",
-               ylabel="full accuracy", ylim=(0, 1))
+               ylabel="accuracy", ylim=(0, 1))
     if val:
         ax_acc.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     for ax in (ax_loss, ax_acc):
