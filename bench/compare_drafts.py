@@ -32,8 +32,8 @@ def compare(verifier: str, prompts_file: str, drafts: list[str], k: int, num_pro
             "verifier": verifier, "prompts": prompts_file, "k": k, "rows": rows}
 
 
-def _sp(s: dict) -> str:
-    return f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})" if s["n"] > 1 else f"{s['median']:.1f}"
+def _sp(s: dict, fmt: str = ".1f") -> str:
+    return f"{s['median']:{fmt}} ({s['min']:{fmt}}-{s['max']:{fmt}})" if s["n"] > 1 else f"{s['median']:{fmt}}"
 
 
 def render(r: dict) -> str:
@@ -49,8 +49,8 @@ def render(r: dict) -> str:
             f"| `{Path(row['draft']).name}` | {row['method']} | {b['mean_acceptance_length']:.3f} ("
             + ", ".join(f"{a:.3f}" for a in b["acceptance_per_position"]) + f") | "
             f"{row['baseline_tokens_per_s_batched']:.0f} / {b['tokens_per_s_batched']:.0f} | "
-            f"{_sp(one['alone_tokens_per_s'])} | {_sp(one['draft_tokens_per_s'])} | {_sp(one['speedup'])} | "
-            f"{_sp(one['mean_acceptance_length'])} | {b['identical_outputs'] and one['identical_outputs']} |")
+            f"{_sp(one['alone_tokens_per_s'])} | {_sp(one['draft_tokens_per_s'])} | {_sp(one['speedup'], '.2f')} | "
+            f"{_sp(one['mean_acceptance_length'], '.3f')} | {b['identical_outputs'] and one['identical_outputs']} |")
     first = r["rows"][0]
     b1 = first["batch1"]
     lines += ["", f"Batched: {first['prompts']} prompts at once, {first['max_tokens']} tokens each. Batch 1: the first "
@@ -61,9 +61,9 @@ def render(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench.compare_drafts", description=__doc__.split("\n")[0])
-    ap.add_argument("drafts", nargs="+", help="draft directories (flat EAGLE-3 or DFlash)")
-    ap.add_argument("--verifier", required=True)
-    ap.add_argument("--prompts", required=True, help="held-out prompts (a run's data artifact eval.jsonl)")
+    ap.add_argument("drafts", nargs="*", help="draft directories (flat EAGLE-3 or DFlash)")
+    ap.add_argument("--verifier")
+    ap.add_argument("--prompts", help="held-out prompts (a run's data artifact eval.jsonl)")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -71,7 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--name", default="drafts")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--render", help="only render this results .json again (no vLLM)")
     args = ap.parse_args(argv)
+    if args.render:
+        text = render(json.loads(Path(args.render).read_text()))
+        Path(args.render).with_suffix(".md").write_text(text)
+        print(text)
+        return 0
     r = compare(args.verifier, args.prompts, args.drafts, args.k, args.num_prompts, args.max_tokens,
                 args.batch1_prompts, args.repeats)
     stem = Path(args.out) / f"{r['date']}-{_slug(r['cpu_model'])}-{args.name}"
