@@ -156,6 +156,6 @@ def check_run(info: VerifierInfo, cfg) -> None:
 
     check_draft_vocab_size(cfg.draft.draft_vocab_size, info.vocab_size)
     if cfg.training.init not in ("scratch", "previous"):
-        check_init_dir(cfg.training.init)
+        check_init_dir(cfg.training.init, cfg.draft.architecture)
     if cfg.draft.like:
         check_reference(read_reference(cfg.draft.like), info.hidden_size, info.vocab_size, cfg.draft.like)

@@ -137,3 +137,16 @@ def test_each_dflash_hazard_is_named_before_vllm_starts(dflash_run, tiny_verifie
     for cmd in (["flatten", str(draft)], ["unflatten", str(draft), "--verifier", str(tiny_verifier)]):
         assert eaglet(cmd) == 2
     assert not (draft.parent / (draft.name + "-flat")).exists()
+
+
+@pytest.mark.e2e
+def test_a_warm_start_must_be_of_the_same_architecture(dflash_run, e2e_run):
+    """Checked with the verifier's other checks, before any load: speculators would fail deep inside loading."""
+    from eaglet.errors import EagletError
+    from eaglet.train import check_init_dir
+
+    eagle3_ckpt, dflash_ckpt = e2e_run["report"]["artifacts"]["checkpoint"], dflash_run["report"]["artifacts"]["checkpoint"]
+    check_init_dir(dflash_ckpt, "dflash")
+    check_init_dir(eagle3_ckpt, "eagle3")
+    with pytest.raises(EagletError, match="is a speculators 'eagle3' checkpoint, but draft.architecture is dflash"):
+        check_init_dir(eagle3_ckpt, "dflash")

@@ -8,16 +8,21 @@ import json
 from pathlib import Path
 
 from eaglet.config import TrainingParams
-from eaglet.errors import EagletError
+from eaglet.errors import EagletError, read_json_file
 from eaglet.train.checkpoints import last_checkpoint, read_delivered
 
 
-def check_init_dir(path: str | Path) -> None:
-    """training.init given as a path: a speculators EAGLE-3 checkpoint (config + weights), checked before any load."""
+def check_init_dir(path: str | Path, architecture: str = "eagle3") -> None:
+    """training.init given as a path: a speculators checkpoint (config + weights) of the run's draft architecture,
+    checked before any load."""
     p = Path(path)
     if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
         raise EagletError(f"training.init={path} is not a speculators checkpoint directory (config.json and "
                           "model.safetensors); use 'scratch', 'previous' or such a directory")
+    kind = read_json_file(p / "config.json", "training.init config").get("speculators_model_type")
+    if kind != architecture:
+        raise EagletError(f"training.init={path} is a speculators {kind!r} checkpoint, but draft.architecture is "
+                          f"{architecture}: warm-start from a draft of the same architecture, or use 'scratch'")
 
 
 def warm_start_weights(draft: Path) -> Path:
