@@ -115,6 +115,9 @@ HAZARDS = {  # each: what vLLM 0.32 would fail on or silently mis-serve, and the
     "mask_token_outside_vocab": (lambda c: c.update(mask_token_id=10**6), "mask_token_id 1000000 is not a token"),
     "aux_layer_outside_verifier": (lambda c: c.update(aux_hidden_state_layer_ids=[2, 4, 99]), "outside the verifier"),
     "hidden_size_differs": (lambda c: c.update(target_hidden_size=64), "target_hidden_size 64"),
+    "draft_width_differs": (_layer(hidden_size=64), "the draft's hidden_size 64 != the verifier's"),
+    "aux_layers_unordered": (lambda c: c.update(aux_hidden_state_layer_ids=[4, 2, 5]), "distinct and ascending"),
+    "tensor_misshapen": (_layer(intermediate_size=7), "has shape"),
 }
 
 
@@ -128,8 +131,9 @@ def test_each_dflash_hazard_is_named_before_vllm_starts(dflash_run, tiny_verifie
                                                                 layer_types=["full_attention"] * 2))
     assert any("rms_norm" in p for p in dflash.validate(two_layers, str(tiny_verifier), cpu_vllm=True).problems)
     assert not any("rms_norm" in p for p in dflash.validate(two_layers, str(tiny_verifier), cpu_vllm=False).problems)
-    no_d2t = dflash.validate(_variant(draft, tmp_path, "no_d2t", drop="d2t"), str(tiny_verifier)).problems
-    assert any("no d2t" in p for p in no_d2t), no_d2t
+    for tensor, words in (("d2t", "no d2t"), ("fc.weight", "fc.weight is missing")):
+        problems = dflash.validate(_variant(draft, tmp_path, f"no_{tensor}", drop=tensor), str(tiny_verifier)).problems
+        assert any(words in p for p in problems), (tensor, problems)
 
     # the command line: validate knows the architecture, flatten and unflatten refuse it in one sentence
     assert eaglet(["validate", str(draft), "--verifier", str(tiny_verifier)]) == 0
