@@ -65,7 +65,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_smoke(args: argparse.Namespace) -> int:
     from eaglet import drafts
     from eaglet.convert import is_nested, read_config
-    from eaglet.errors import EagletError
     from eaglet.smoke import load_prompts, smoke_test
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -73,9 +72,7 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     draft = Path(args.draft)
     arch = drafts.of_checkpoint(draft)
     if arch is not drafts.eagle3 or not is_nested(read_config(draft)):  # vLLM reports none of these problems
-        report = arch.validate(draft, args.verifier)
-        if not report.ok:
-            raise EagletError(f"draft {draft} would not work in vLLM: " + "; ".join(report.problems))
+        arch.validate(draft, args.verifier).raise_problems(draft)
     result = smoke_test(args.verifier, args.draft, prompts, k=args.k, max_tokens=args.max_tokens, dtype=args.dtype)
     text = result.model_dump_json(indent=2)
     if args.json:

@@ -273,6 +273,12 @@ class Report:
     def ok(self) -> bool:
         return not self.problems
 
+    def raise_problems(self, draft: Path) -> Report:
+        """Every problem at once, as one user error (vLLM reports none of them); the report when there are none."""
+        if self.problems:
+            raise EagletError(f"draft {draft} would not work in vLLM: " + "; ".join(self.problems))
+        return self
+
 
 def expected_shapes(cfg: dict, prefix: str) -> dict[str, list[int]]:
     """Every tensor vLLM's EAGLE-3 Llama draft has a parameter for, with the shape the config implies."""
@@ -503,10 +509,7 @@ def load_tensor(path: Path, name: str):
 
 
 def check_flat_draft(draft: Path, verifier: str) -> Report:
-    report = validate(draft, verifier)
-    if not report.ok:
-        raise EagletError(f"draft {draft} would not work in vLLM: " + "; ".join(report.problems))
-    return report
+    return validate(draft, verifier).raise_problems(draft)
 
 
 # --- shape-matching a reference draft ---------------------------------------------------------------------------

@@ -314,9 +314,7 @@ def export_draft(verifier: VerifierInfo, ckpt_dir: str, cfg: RunConfig) -> str:
 @task(name="validate-draft")
 def validate_draft(verifier: VerifierInfo, draft_dir: str) -> list[str]:
     """`eaglet validate` before vLLM is started: every problem at once, as one user error."""
-    report = drafts.of_checkpoint(draft_dir).validate(Path(draft_dir), verifier.path)
-    if not report.ok:
-        raise EagletError(f"draft {draft_dir} would not work in vLLM: " + "; ".join(report.problems))
+    report = drafts.of_checkpoint(draft_dir).validate(Path(draft_dir), verifier.path).raise_problems(draft_dir)
     for w in report.warnings:
         get_run_logger().warning(w)
     return report.warnings

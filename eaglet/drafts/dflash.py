@@ -65,9 +65,7 @@ def export(ckpt_dir: Path, out: Path, verifier: str, e) -> None:
         os.link(src, out / "model.safetensors")
     except OSError:
         shutil.copy2(src, out / "model.safetensors")
-    report = validate(out, verifier)
-    if not report.ok:
-        raise EagletError(f"draft {out} would not work in vLLM: " + "; ".join(report.problems))
+    validate(out, verifier).raise_problems(out)
 
 
 def _on_cpu_vllm() -> bool:
