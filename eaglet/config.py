@@ -286,20 +286,23 @@ class RunConfig(_Section):
         return self
 
 
-DEFAULT_LOSS = {"eagle3": "kl_div", "dflash": "ce"}
+def resolved_loss(training: TrainingParams, architecture: str) -> str | dict[str, float]:
+    """training.loss resolved: empty is the architecture's default (eaglet.drafts)."""
+    from eaglet.drafts import of
+
+    return training.loss if training.loss is not None else of(architecture).DEFAULT_LOSS
 
 
 def loss_name(cfg: RunConfig) -> str | dict[str, float]:
-    """training.loss resolved: empty is the architecture's default."""
-    return cfg.training.loss if cfg.training.loss is not None else DEFAULT_LOSS[cfg.draft.architecture]
+    return resolved_loss(cfg.training, cfg.draft.architecture)
 
 
 def speculative_tokens(cfg: RunConfig) -> int:
-    """smoke.num_speculative_tokens resolved: empty is the architecture's k (a DFlash block drafts block_size-1)."""
+    """smoke.num_speculative_tokens resolved: empty is the architecture's k (eaglet.drafts)."""
+    from eaglet.drafts import of
+
     k = cfg.smoke.num_speculative_tokens
-    if k is not None:
-        return k
-    return cfg.dflash.block_size - 1 if cfg.draft.architecture == "dflash" else 3
+    return k if k is not None else of(cfg.draft.architecture).default_k(cfg.dflash)
 
 
 def loss_spec(loss: str | dict[str, float]) -> str:

@@ -2,6 +2,7 @@
 
 Each module gives the same few things, and nothing else in eaglet knows which architecture it runs:
   METHOD                                  vLLM's speculative_config method
+  DEFAULT_LOSS, default_k(dflash)         what an empty training.loss and smoke.num_speculative_tokens mean
   speculators_args(draft, training, dflash)  its `speculators train` flags (type, model, loss shaping)
   shape_args(draft, dflash)               the flags that size a draft trained from scratch
   score(val_metrics)                      the acceptance length an epoch's validation predicts (best epoch)

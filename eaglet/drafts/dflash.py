@@ -19,8 +19,13 @@ from eaglet.errors import EagletError
 from eaglet.verifier import read_config_dict, text_config_of
 
 METHOD = "dflash"
+DEFAULT_LOSS = "ce"  # speculators' for dflash; its dpace position weighting requires it
 flatten_refusal = ("a DFlash draft has no flat form: vLLM loads speculators' checkpoint directory as it is (method "
                    "dflash), so serve or `eaglet validate` the directory itself")
+
+
+def default_k(dflash) -> int:
+    return dflash.block_size - 1  # the anchor is known: a block drafts the positions after it
 
 
 def speculators_args(draft, training, dflash) -> list[str]:

@@ -9,7 +9,12 @@ from pathlib import Path
 from eaglet import convert
 
 METHOD = "eagle3"
+DEFAULT_LOSS = "kl_div"  # to the verifier's distribution
 flatten_refusal = None
+
+
+def default_k(dflash=None) -> int:
+    return 3
 
 
 def speculators_args(draft, training, dflash=None) -> list[str]:

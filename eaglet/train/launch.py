@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from eaglet.config import DEFAULT_LOSS, DFlashParams, DraftParams, TrainingParams, loss_spec
+from eaglet.config import DFlashParams, DraftParams, TrainingParams, loss_spec, resolved_loss
 from eaglet.devices import on_accelerator, visible_accelerators
 from eaglet.train.cpu import cpu_patches, float32_muon, keep_log_handlers, lossless_checkpoints
 from eaglet.train.metrics import MetricsRecorder, follow_metrics, metrics_end
@@ -87,7 +87,6 @@ def speculators_argv(
 
     arch = drafts.of(draft.architecture)
     dflash = dflash or DFlashParams()
-    loss = training.loss if training.loss is not None else DEFAULT_LOSS[draft.architecture]
     argv = [
         *arch.speculators_args(draft, training, dflash),
         "--verifier-name-or-path", verifier_path,
@@ -103,7 +102,7 @@ def speculators_argv(
         "--optimizer", training.optimizer,
         "--scheduler-type", training.scheduler,
         "--scheduler-warmup-steps", str(training.warmup_steps),
-        "--loss-fn", loss_spec(loss),
+        "--loss-fn", loss_spec(resolved_loss(training, draft.architecture)),
         "--total-seq-len", str(training.total_seq_len),
         "--train-data-ratio", "0.95",
         "--seed", str(training.seed),
