@@ -81,15 +81,21 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_flatten(args: argparse.Namespace) -> int:
+def _refuse_without_flat_form(src: Path) -> None:
+    """flatten and unflatten convert EAGLE-3 drafts; an architecture vLLM loads in speculators' form refuses here."""
     from eaglet import drafts
-    from eaglet.convert import flatten
     from eaglet.errors import EagletError
 
-    src = Path(args.src)
     refusal = drafts.of_checkpoint(src).flatten_refusal
     if refusal:
         raise EagletError(f"{src}: {refusal}")
+
+
+def cmd_flatten(args: argparse.Namespace) -> int:
+    from eaglet.convert import flatten
+
+    src = Path(args.src)
+    _refuse_without_flat_form(src)
     out = Path(args.out) if args.out else src.with_name(src.name + "-flat")
     cfg = flatten(src, out, verifier=args.verifier, serving_id=args.verifier_id, layer_prefix=args.layer_prefix,
                   keep_embeddings=args.keep_embeddings)
@@ -100,14 +106,10 @@ def cmd_flatten(args: argparse.Namespace) -> int:
 
 
 def cmd_unflatten(args: argparse.Namespace) -> int:
-    from eaglet import drafts
     from eaglet.convert import unflatten
-    from eaglet.errors import EagletError
 
     src = Path(args.src)
-    refusal = drafts.of_checkpoint(src).flatten_refusal
-    if refusal:
-        raise EagletError(f"{src}: {refusal}")
+    _refuse_without_flat_form(src)
     out = Path(args.out) if args.out else src.with_name(src.name + "-speculators")
     unflatten(src, out, verifier=args.verifier)
     print(f"speculators checkpoint: {out}")
