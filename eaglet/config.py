@@ -185,8 +185,8 @@ class TrainingParams(_Section):
         "float32's speed)."
     )
     loss: str | dict[str, float] | None = Field(
-        None, description="Empty: the architecture's (eagle3 kl_div, dflash ce). speculators' loss: kl_div (to the verifier's distribution), ce (to its "
-        "top token), lk_hybrid, rkl, jsd, tv, nla, or a JSON mix of weights such as {\"ce\": 0.1, \"tv\": 0.9}.")
+        None, description="Empty: the architecture's (eagle3 kl_div, dflash ce). speculators' loss: kl_div (to the "
+        "verifier's distribution), ce (to its top token), lk_hybrid, rkl, jsd, tv, nla, or a JSON mix of weights such as {\"ce\": 0.1, \"tv\": 0.9}.")
     ttt_step_loss_decay: float = Field(
         1.0, gt=0, le=1.0, description="Loss weight multiplier per TTT step (1 = every step weighs the same; 0.8 "
         "weighs step 0, which carries most accepted tokens, more; eagle3).")
@@ -278,7 +278,8 @@ class RunConfig(_Section):
                              "draft.architecture=dflash")
         if self.dflash.position_weight == "dpace" and loss_name(self) != "ce":
             raise ValueError(f"dflash.position_weight=dpace needs training.loss=ce (speculators' rule), not "
-                             f"{loss_spec(self.training.loss)}: set training.loss=ce or dflash.position_weight=exp_decay")
+                             f"{loss_spec(self.training.loss)}: set training.loss=ce or "
+                             "dflash.position_weight=exp_decay")
         k, block = self.smoke.num_speculative_tokens, self.dflash.block_size
         if k is not None and k > block - 1:
             raise ValueError(f"smoke.num_speculative_tokens={k} is more than a DFlash block of {block} can draft "

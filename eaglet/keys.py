@@ -178,7 +178,8 @@ def smoke_key(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseline_di
     return _key("smoke", verifier=verifier.fingerprint, draft=Path(draft_dir).name,
                 prompts=held_out_digest(data_dir, cfg),
                 baseline=Path(baseline_dir).name,
-                smoke=cfg.smoke.model_dump(exclude={"min_acceptance"}) | {"num_speculative_tokens": speculative_tokens(cfg)})
+                smoke=cfg.smoke.model_dump(exclude={"min_acceptance"})
+                | {"num_speculative_tokens": speculative_tokens(cfg)})
 
 
 def comparison_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:

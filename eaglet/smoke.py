@@ -1,4 +1,5 @@
-"""vLLM smoke-load: the verifier with the draft (its method from the draft's config: eaglet.drafts), greedy, on held-out prompts, against the verifier alone.
+"""vLLM smoke-load: the verifier with the draft (its method from the draft's config: eaglet.drafts), greedy, on
+held-out prompts, against the verifier alone.
 
 Reports mean acceptance length (1 + accepted / drafts, at most k + 1), per-position acceptance rates,
 whether the outputs are identical (speculative decoding must be lossless at temperature 0), and tokens/s.

@@ -149,7 +149,8 @@ def test_a_warm_start_must_be_of_the_same_architecture(dflash_run, e2e_run):
     from eaglet.errors import EagletError
     from eaglet.train import check_init_dir
 
-    eagle3_ckpt, dflash_ckpt = e2e_run["report"]["artifacts"]["checkpoint"], dflash_run["report"]["artifacts"]["checkpoint"]
+    eagle3_ckpt = e2e_run["report"]["artifacts"]["checkpoint"]
+    dflash_ckpt = dflash_run["report"]["artifacts"]["checkpoint"]
     check_init_dir(dflash_ckpt, "dflash")
     check_init_dir(eagle3_ckpt, "eagle3")
     with pytest.raises(EagletError, match="is a speculators 'eagle3' checkpoint, but draft.architecture is dflash"):

@@ -105,8 +105,9 @@ def validate(draft: Path, verifier: str, cpu_vllm: bool | None = None) -> Report
     r = Report()
     P, W = r.problems.append, r.warnings.append
     cfg = read_config(draft)
-    if cfg.get("speculators_model_type") != "dflash":
-        raise EagletError(f"{draft} is not a DFlash draft (speculators_model_type {cfg.get('speculators_model_type')!r})")
+    kind = cfg.get("speculators_model_type")
+    if kind != "dflash":
+        raise EagletError(f"{draft} is not a DFlash draft (speculators_model_type {kind!r})")
     layer = cfg.get("transformer_layer_config") or {}
     vcfg = text_config_of(read_config_dict(Path(verifier)))
     v_hidden, v_vocab, v_layers = vcfg["hidden_size"], vcfg["vocab_size"], vcfg["num_hidden_layers"]

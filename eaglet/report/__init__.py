@@ -120,7 +120,8 @@ def render_markdown(report: dict) -> str:
     lines.append(f"| **total** | | **{sum(t['seconds'] for t in tasks.values()):.1f}** |")
     plots = report.get("plots") or {}
     if plots.get("training"):
-        lines += ["", "## Training", "", f"![training loss and accuracy per TTT step or block position]({plots['training']})"]
+        lines += ["", "## Training", "",
+                  f"![training loss and accuracy per TTT step or block position]({plots['training']})"]
     s = report.get("smoke")
     if s:
         lines += [
@@ -162,8 +163,9 @@ def render_markdown(report: dict) -> str:
     if hist:
         from eaglet.report.history import when
 
-        lines += ["", "## Draft history (this directory)", "", "| finished | draft | architecture, k | mean acceptance "
-                  "| per position | lossless | rows | warm start | current |", "|---|---|---|---:|---|---|---:|---|---|"]
+        lines += ["", "## Draft history (this directory)", "",
+                  "| finished | draft | architecture, k | mean acceptance | per position | lossless | rows | warm start "
+                  "| current |", "|---|---|---|---:|---|---|---:|---|---|"]
         for h in hist:
             acc = f"{h['acceptance']:.3f}" if h["acceptance"] is not None else "-"
             per = ", ".join(f"{a:.3f}" for a in h["per_position"] or [])

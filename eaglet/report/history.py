@@ -114,7 +114,8 @@ def history(out: Path) -> list[dict]:
         rows.append({
             "finished": r.get("finished") or report.stat().st_mtime,
             "draft": report.parent.name,
-            "architecture": smoke.get("method") or (r.get("params") or {}).get("draft", {}).get("architecture", "eagle3"),
+            "architecture": smoke.get("method")
+            or (r.get("params") or {}).get("draft", {}).get("architecture", "eagle3"),
             "k": smoke.get("num_speculative_tokens"),
             "acceptance": smoke.get("mean_acceptance_length"),
             "per_position": smoke.get("acceptance_per_position"),
