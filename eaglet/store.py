@@ -71,6 +71,15 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def link_or_copy(src: Path, dst: Path) -> None:
+    """dst as a hard link to src (no extra bytes; the store's files are never rewritten in place), or a copy when
+    the two are on different filesystems."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def _lock_file(path: Path) -> Path:
     """`<root>/.locks/<kind>-<key>.lock` for the artifact `<root>/<kind>/<key>`."""
     locks = path.parent.parent / ".locks"

@@ -10,12 +10,11 @@ in `validate`, each hazard by name."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 from eaglet.convert import Report, read_config, tensor_meta, write_json
 from eaglet.errors import EagletError
+from eaglet.store import link_or_copy
 from eaglet.verifier import read_config_dict, text_config_of
 
 METHOD = "dflash"
@@ -65,11 +64,7 @@ def export(ckpt_dir: Path, out: Path, verifier: str, e) -> None:
         spec = cfg["speculators_config"]
         cfg = {**cfg, "speculators_config": {**spec, "verifier": {**spec["verifier"], "name_or_path": e.serving_id}}}
     write_json(out / "config.json", cfg)
-    src = ckpt_dir / "model.safetensors"
-    try:
-        os.link(src, out / "model.safetensors")
-    except OSError:
-        shutil.copy2(src, out / "model.safetensors")
+    link_or_copy(ckpt_dir / "model.safetensors", out / "model.safetensors")
     validate(out, verifier).raise_problems(out)
 
 

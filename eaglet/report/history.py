@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 import uuid
 from pathlib import Path
 
-from eaglet.store import digest, publish_dir
+from eaglet.store import digest, link_or_copy, publish_dir
 
 DRAFTS, CURRENT = "drafts", "current"
 
@@ -87,10 +86,7 @@ def keep(out: Path, draft_key: str, promoted: bool) -> Path:
     already kept keeps the report of the run that made it (a cached rerun's report says what it loaded, 0)."""
     def build(tmp: Path) -> None:
         for src in [*sorted((out / "draft").iterdir()), out / "report.json"]:
-            try:
-                os.link(src, tmp / src.name)
-            except OSError:  # another filesystem
-                shutil.copy2(src, tmp / src.name)
+            link_or_copy(src, tmp / src.name)
 
     kept = out / DRAFTS / draft_key
     if not (kept / "report.json").is_file():
