@@ -22,7 +22,7 @@ def _engine(job: dict, draft: bool):
     kwargs = dict(model=job["verifier"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0,
                   disable_log_stats=False, enforce_eager=True, enable_prefix_caching=False)
     if draft:
-        kwargs["speculative_config"] = {"method": job.get("method", "eagle3"), "model": job["draft"],
+        kwargs["speculative_config"] = {"method": job["method"], "model": job["draft"],
                                         "num_speculative_tokens": job["k"]}
     return LLM(**kwargs)
 

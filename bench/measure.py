@@ -194,7 +194,8 @@ def training_pairs(home: Path, tag: str, info, cfg, states: str, vocab: str, rep
     """`repeats` pairs, interleaved (pipeline, direct, pipeline, ...), each run in a fresh process. data_dir: the
     conversations the states were extracted from (train-draft records their prompts as the draft's lineage)."""
     from bench.steps import profile
-    from eaglet.train import speculators_argv
+    from eaglet import drafts
+    from eaglet.train.launch import speculators_argv
 
     pipeline, direct = [], []
     for r in range(repeats):
@@ -203,8 +204,8 @@ def training_pairs(home: Path, tag: str, info, cfg, states: str, vocab: str, rep
                           home / f"pipeline{tag}{r}")
         pipeline.append(profile(run, warm_steps))
         run = _train_once("direct", {"argv": speculators_argv(
-            info.path, Path(states), Path(vocab), home / f"direct{tag}{r}" / "checkpoints", info.aux_layer_ids,
-            cfg.draft.draft_vocab_size, cfg.draft, cfg.training, False)}, home / f"direct{tag}{r}")
+            drafts.for_run(cfg), cfg, info.path, Path(states), Path(vocab), home / f"direct{tag}{r}" / "checkpoints",
+            info.aux_layer_ids)}, home / f"direct{tag}{r}")
         direct.append(profile(run, warm_steps))
     if any(p["tokens"] != d["tokens"] for p, d in zip(pipeline, direct)):
         raise RuntimeError("the two training sides saw different token counts: not the same data")
@@ -259,7 +260,7 @@ def decoding(verifier_path: str, draft: str, prompts: list, ks: list[int], max_t
     from eaglet.drafts import of_checkpoint
     from eaglet.vllm import run_job
 
-    method = of_checkpoint(draft).METHOD  # eagle3 or dflash: the draft's config says
+    method = of_checkpoint(draft).method  # the draft's config says which architecture it is
     if batched_in_pair and not (len(ks) == 1 and list(ks) == list(batch1["ks"])):
         raise ValueError(f"batched_in_pair needs one k, the batch-1 pair's: ks {ks}, batch 1 {batch1['ks']}")
     job = {"verifier": verifier_path, "conversations": prompts, "max_tokens": max_tokens, "dtype": dtype,

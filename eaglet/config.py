@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator)
 
 from eaglet.errors import EagletError
 
@@ -116,8 +115,9 @@ class ExtractionParams(_Section):
 
 
 class DraftParams(_Section):
-    architecture: Literal["eagle3", "dflash"] = Field(
-        "eagle3", description="The draft speculators trains and vLLM serves (eaglet.drafts): eagle3, one layer that "
+    architecture: str = Field(
+        "eagle3", pattern=r"^[a-z0-9_]+$",
+        description="The draft speculators trains and vLLM serves, one of eaglet.drafts.ARCHITECTURES: eagle3, one layer that "
         "proposes k tokens one after another; dflash, block diffusion, a whole block of tokens in one forward (its "
         "own settings: the dflash section). Both read the same captured rows.")
     draft_vocab_size: int = Field(4096, ge=16, le=1_048_576, description="Tokens the draft can propose (top by frequency).")
@@ -267,43 +267,6 @@ class RunConfig(_Section):
             except ValueError as e:
                 raise ValueError(f"training.loss: {e}") from None
         return v
-
-    @model_validator(mode="after")
-    def _architecture_settings_fit(self) -> RunConfig:
-        """Settings that only make sense together, refused before anything loads (eaglet.drafts)."""
-        if self.draft.architecture != "dflash":
-            return self
-        if self.draft.like:
-            raise ValueError("draft.like takes an EAGLE-3 reference draft's shapes: leave it empty with "
-                             "draft.architecture=dflash")
-        if self.dflash.position_weight == "dpace" and loss_name(self) != "ce":
-            raise ValueError(f"dflash.position_weight=dpace needs training.loss=ce (speculators' rule), not "
-                             f"{loss_spec(self.training.loss)}: set training.loss=ce or "
-                             "dflash.position_weight=exp_decay")
-        k, block = self.smoke.num_speculative_tokens, self.dflash.block_size
-        if k is not None and k > block - 1:
-            raise ValueError(f"smoke.num_speculative_tokens={k} is more than a DFlash block of {block} can draft "
-                             f"({block - 1}): lower it or raise dflash.block_size")
-        return self
-
-
-def resolved_loss(training: TrainingParams, architecture: str) -> str | dict[str, float]:
-    """training.loss resolved: empty is the architecture's default (eaglet.drafts)."""
-    from eaglet.drafts import of
-
-    return training.loss if training.loss is not None else of(architecture).DEFAULT_LOSS
-
-
-def loss_name(cfg: RunConfig) -> str | dict[str, float]:
-    return resolved_loss(cfg.training, cfg.draft.architecture)
-
-
-def speculative_tokens(cfg: RunConfig) -> int:
-    """smoke.num_speculative_tokens resolved: empty is the architecture's k (eaglet.drafts)."""
-    from eaglet.drafts import of
-
-    k = cfg.smoke.num_speculative_tokens
-    return k if k is not None else of(cfg.draft.architecture).default_k(cfg.dflash)
 
 
 def loss_spec(loss: str | dict[str, float]) -> str:

@@ -221,3 +221,20 @@ def split_run_rows(data_file: str | Path, eval_path: str | None, data_path: str 
     held_file = held_out_file(rows, eval_path, data_path)
     held = read_conversations(held_file) if held_file else None
     return (*split_conversations(rows, eval_fraction, seed, max_samples, held), held_file)
+
+
+def write_split(out: Path, train_rows: list[list[dict]], held_out: list[list[dict]], counts: dict) -> None:
+    """The data artifact: train.jsonl, eval.jsonl (the held-out rows) and stats.json (what was dropped)."""
+    write_conversations(out / "train.jsonl", train_rows)
+    write_conversations(out / "eval.jsonl", held_out)
+    (out / "stats.json").write_text(json.dumps(counts))
+
+
+def split_summary(n_train: int, n_held: int, counts: dict, held_file: str | None, data_file: str, params) -> str:
+    """The split in a log line: rows each side, what was dropped, and where the held-out rows come from."""
+    dropped = ", ".join(f"{counts[k]} {k.replace('_', ' ')}" for k in ("duplicates", "eval_overlap") if counts[k])
+    line = f"{n_train} training and {n_held} held-out conversations" + (f" (dropped: {dropped})" if dropped else "")
+    if held_file and not params.eval_path and params.path:
+        line += (f"; {data_file} holds shipped prompts: its held-out rows are the shipped {held_file} "
+                 "(data.eval_path chooses others)")
+    return line

@@ -8,9 +8,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import eaglet
-from eaglet import store
-from eaglet.config import RunConfig, loss_name, speculative_tokens
+from eaglet import drafts, store
+from eaglet.capture import CAPTURE_VERSIONS
+from eaglet.capture.engine import capture_engine_dtype
+from eaglet.capture.rows import view_rows
+from eaglet.capture.vllm import run_capture_settings
+from eaglet.config import RunConfig
+from eaglet.data import row_digest, split_run_rows
+from eaglet.report.history import comparison_key as history_comparison_key
+from eaglet.smoke import held_out_prompts, machine_kind, smoke_max_model_len
+from eaglet.train.launch import cpu_dtype
+from eaglet.train.warm_start import run_training
 from eaglet.verifier import VerifierInfo
+from eaglet.verifier.embedded import gguf_identity
 
 
 def _key(kind: str, **inputs) -> str:
@@ -20,15 +30,11 @@ def _key(kind: str, **inputs) -> str:
 
 
 def embedded_key() -> str:
-    from eaglet.embedded import gguf_identity
-
     return _key("verifier", gguf=gguf_identity())
 
 
 def run_rows(data_file: str, cfg: RunConfig):
     """(training rows, held-out rows, counts, the fixed held-out file or None) of a run."""
-    from eaglet.data import split_run_rows
-
     d = cfg.data
     return split_run_rows(data_file, d.eval_path, d.path, d.eval_fraction, d.seed, d.max_samples)
 
@@ -36,8 +42,6 @@ def run_rows(data_file: str, cfg: RunConfig):
 def data_key(data_file: str, cfg: RunConfig) -> str:
     """The rows themselves (digests, in digest order), not the file: reordering rows changes nothing, and a new
     row changes only what it has to."""
-    from eaglet.data import row_digest
-
     if not Path(data_file).is_file() or (cfg.data.eval_path and not Path(cfg.data.eval_path).is_file()):
         return _key("data", missing=[data_file, cfg.data.eval_path])  # the task itself reports the problem
     train, held, _, _ = run_rows(data_file, cfg)
@@ -46,8 +50,6 @@ def data_key(data_file: str, cfg: RunConfig) -> str:
 
 
 def regen_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
-    from eaglet.capture.engine import capture_engine_dtype
-
     d = cfg.data
     # sampled answers: one seed per conversation (eaglet.vllm.worker.request_seeds), not one seed for all of them
     seeding = {"seeding": "per-conversation"} if d.temperature > 0 else {}
@@ -58,8 +60,6 @@ def regen_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
 
 def extraction_key(verifier: VerifierInfo, conversations_dir: str, cfg: RunConfig) -> str:
     """The hf backend's artifact: hidden states of given conversations (regenerated ones or the data's own)."""
-    from eaglet.capture import CAPTURE_VERSIONS
-
     return _key("hidden_states", verifier=verifier.fingerprint, conversations=Path(conversations_dir).name,
                 aux=verifier.aux_layer_ids, max_seq_len=cfg.data.max_seq_len, dtype=cfg.extraction.dtype,
                 extractor=CAPTURE_VERSIONS["hf"])
@@ -67,8 +67,6 @@ def extraction_key(verifier: VerifierInfo, conversations_dir: str, cfg: RunConfi
 
 def capture_content_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
     """The key of the view that keeps every row's states (what a streamed view stands for)."""
-    from eaglet.capture.vllm import run_capture_settings
-
     return _key("hidden_states", verifier=verifier.fingerprint, aux=verifier.aux_layer_ids,
                 data=Path(data_dir).name, settings=run_capture_settings(verifier, cfg))
 
@@ -88,26 +86,17 @@ def states_identity(states_dir: str) -> str:
     """What training reads, by content: a dataset view's key, or for a view with streamed samples the key of the
     view that keeps them all (its rows.json `content`). A draft trained on streamed states is keyed like one
     trained on kept states, so either run reuses the other's vocabulary and draft."""
-    from eaglet.capture.rows import view_rows
-
     return view_rows(Path(states_dir)).get("content") or Path(states_dir).name
 
 
 def draft_settings(cfg: RunConfig) -> dict:
-    """The draft's settings as keys see them: an EAGLE-3 draft's are those of drafts trained before there was a
-    second architecture (same keys); another architecture adds its name and its own section."""
-    settings = cfg.draft.model_dump(exclude={"like", "architecture"})
-    if cfg.draft.architecture != "eagle3":
-        settings |= {"architecture": cfg.draft.architecture,
-                     cfg.draft.architecture: getattr(cfg, cfg.draft.architecture).model_dump()}
-    return settings
+    """The draft's settings as keys see them: the architecture's say (DraftArchitecture.key_settings)."""
+    return drafts.get(cfg.draft.architecture).key_settings(cfg)
 
 
 def draft_shape(verifier: VerifierInfo, cfg: RunConfig) -> str:
     """What a warm start must share with the draft it continues: verifier, layers it reads, draft settings."""
-    from eaglet.convert import read_reference
-
-    like = read_reference(cfg.draft.like) if cfg.draft.like else None
+    like = drafts.get(cfg.draft.architecture).reference(cfg)
     return store.digest({"verifier": verifier.fingerprint, "aux": verifier.aux_layer_ids, "like": like,
                          "draft": draft_settings(cfg)})
 
@@ -134,15 +123,13 @@ def training_key(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_d
     data_dir is not in the key: the states' key already names the data they were captured from."""
     from importlib.metadata import version
 
-    from eaglet.convert import read_reference
-    from eaglet.train import cpu_dtype
-    from eaglet.train.warm_start import run_training
 
-    like = read_reference(cfg.draft.like) if cfg.draft.like else None  # its content, not its path
+    arch = drafts.get(cfg.draft.architecture)
+    like = arch.reference(cfg)  # its content, not its path
     training = run_training(init_dir, cfg.training)
     warm = {"init", "warm_epochs", "warm_lr_fraction", "warm_warmup_steps", "warm_replay_fraction"}
     settings = training.model_dump(exclude=warm) | {"cpu_dtype": cpu_dtype(training.cpu_dtype),  # 'auto' resolved
-                                                    "loss": loss_name(cfg)}  # empty: the architecture's
+                                                    "loss": arch.loss(cfg)}  # empty: the architecture's
     if init_dir and training.warm_replay_fraction < 1:  # a warm start on part of the rows
         settings["replay_fraction"] = training.warm_replay_fraction
     return _key("draft_ckpt", states=states_identity(states_dir), vocab=Path(vocab_dir).name, like=like,
@@ -150,24 +137,25 @@ def training_key(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_d
                 speculators=version("speculators"))
 
 
-def export_key(verifier: VerifierInfo, ckpt_dir: str, cfg: RunConfig) -> str:
-    from eaglet.convert import CONVERT_VERSION
+def export_kind(verifier: VerifierInfo, ckpt_dir: str, cfg: RunConfig) -> str:
+    """The store kind of what vLLM loads: the architecture's (an EAGLE-3 draft's flat form: draft_flat)."""
+    return drafts.get(cfg.draft.architecture).export_kind
 
-    return _key("draft_flat", ckpt=Path(ckpt_dir).name, export=cfg.export.model_dump(), convert=CONVERT_VERSION)
+
+def export_key(verifier: VerifierInfo, ckpt_dir: str, cfg: RunConfig) -> str:
+    arch = drafts.get(cfg.draft.architecture)
+    return _key(arch.export_kind, ckpt=Path(ckpt_dir).name, export=cfg.export.model_dump(),
+                convert=arch.export_version)
 
 
 def held_out_digest(data_dir: str, cfg: RunConfig) -> str:
     """The smoke prompts' digest: the baseline and the smoke results depend on them, not on the training rows."""
-    from eaglet.smoke import held_out_prompts
-
     return store.digest(held_out_prompts(data_dir, cfg))
 
 
 def baseline_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig, **_engine) -> str:
     """The verifier alone on the held-out prompts: not the draft, not k, not which engine answered. The machine's
     kind is in the key: a speed measured on other hardware is not this one's (it is re-measured there)."""
-    from eaglet.smoke import machine_kind, smoke_max_model_len
-
     s = cfg.smoke
     return _key("baseline", verifier=verifier.fingerprint, prompts=held_out_digest(data_dir, cfg),
                 max_tokens=s.max_tokens, dtype=s.dtype, max_model_len=smoke_max_model_len(cfg),
@@ -179,13 +167,11 @@ def smoke_key(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseline_di
                 prompts=held_out_digest(data_dir, cfg),
                 baseline=Path(baseline_dir).name,
                 smoke=cfg.smoke.model_dump(exclude={"min_acceptance"})
-                | {"num_speculative_tokens": speculative_tokens(cfg)})
+                | {"num_speculative_tokens": drafts.get(cfg.draft.architecture).k(cfg)})
 
 
 def comparison_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
     """Which acceptance figures compare (eaglet.report.history): same verifier, held-out prompts, smoke settings."""
-    from eaglet.report.history import comparison_key as key
-    from eaglet.smoke import held_out_prompts
-
     s = cfg.smoke
-    return key(verifier.fingerprint, held_out_prompts(data_dir, cfg), speculative_tokens(cfg), s.max_tokens, s.dtype)
+    return history_comparison_key(verifier.fingerprint, held_out_prompts(data_dir, cfg),
+                                  drafts.get(cfg.draft.architecture).k(cfg), s.max_tokens, s.dtype)

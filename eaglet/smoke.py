@@ -1,4 +1,4 @@
-"""vLLM smoke-load: the verifier with the draft (its method from the draft's config: eaglet.drafts), greedy, on
+"""vLLM smoke-load: the verifier with the draft (its method given by the draft architecture), greedy, on
 held-out prompts, against the verifier alone.
 
 Reports mean acceptance length (1 + accepted / drafts, at most k + 1), per-position acceptance rates,
@@ -22,8 +22,6 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from eaglet.drafts import of_checkpoint
-from eaglet.config import speculative_tokens
 from eaglet.data import prompt_part, read_conversations
 from eaglet.errors import EagletError
 from eaglet.vllm import run_job
@@ -32,7 +30,7 @@ BASELINE_FILE = "baseline.json"
 
 
 class SmokeResult(BaseModel):
-    method: str = "eagle3"  # the draft's architecture: vLLM's speculative method (eaglet.drafts)
+    method: str  # vLLM's speculative method: the draft's architecture (DraftArchitecture.method)
     num_speculative_tokens: int
     mean_acceptance_length: float
     acceptance_per_position: list[float]
@@ -121,12 +119,19 @@ def _baseline(base: dict, engine: str = "offline") -> dict:
             "machine": machine_kind(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
+def baseline_summary(b: dict) -> str:
+    """A baseline in a log line: which engine, how many prompts, its speed and the machine."""
+    engine = "the capture engine, no load of its own" if b.get("engine") == "capture" else "its own engine"
+    return (f"verifier alone ({engine}): {b['num_prompts']} held-out prompts, {b['output_tokens']} tokens at "
+            f"{b['tokens_per_s']:.0f} tokens/s on {b['machine']['cpu']} {b['machine']['gpus']}".rstrip())
+
+
 def read_baseline(baseline_dir: str | Path) -> dict:
     return json.loads((Path(baseline_dir) / BASELINE_FILE).read_text())
 
 
 def smoke_test(
-    verifier: str, draft: str, prompts: list[list[dict]], k: int = 3, max_tokens: int = 128,
+    verifier: str, draft: str, prompts: list[list[dict]], method: str, k: int, max_tokens: int = 128,
     max_model_len: int = 2048, dtype: str = "float32", load_format: str = "auto", baseline: dict | None = None,
 ) -> SmokeResult:
     """dtype: the verifier's compute dtype. In bfloat16 on CPU, verifying k+1 tokens at once rounds differently
@@ -140,7 +145,6 @@ def smoke_test(
         baseline = _baseline(run_job(job))
     elif len(baseline["token_ids"]) != len(prompts):
         raise EagletError(f"the baseline has {len(baseline['token_ids'])} prompts, the smoke-load {len(prompts)}")
-    method = of_checkpoint(draft).METHOD
     spec = run_job(dict(job, draft=str(draft), k=k, method=method))
     counts = spec["spec"]
     drafts = counts["drafts"]
@@ -177,8 +181,10 @@ def baseline_for_run(out: Path, verifier: str, data_dir: str | Path, cfg) -> dic
                             max_model_len=smoke_max_model_len(cfg), dtype=s.dtype, load_format=s.load_format)
 
 
-def smoke_for_run(verifier: str, draft: str, data_dir: str | Path, baseline_dir: str | Path, cfg) -> SmokeResult:
+def smoke_for_run(verifier: str, draft: str, data_dir: str | Path, baseline_dir: str | Path, cfg, method: str,
+                  k: int) -> SmokeResult:
+    """The run's smoke test: method and k are the draft architecture's (DraftArchitecture.method and .k)."""
     s = cfg.smoke
-    return smoke_test(verifier, draft, held_out_prompts(data_dir, cfg), k=speculative_tokens(cfg),
+    return smoke_test(verifier, draft, held_out_prompts(data_dir, cfg), method=method, k=k,
                       max_tokens=s.max_tokens, max_model_len=smoke_max_model_len(cfg), dtype=s.dtype,
                       load_format=s.load_format, baseline=read_baseline(baseline_dir))

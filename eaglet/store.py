@@ -212,6 +212,13 @@ def publish(kind: str, key: str, build: Callable[[Path], dict[str, str] | None],
     return final
 
 
+def write_stats(work: Path, stats: dict) -> dict[str, str] | None:
+    """stats.json beside an artifact's files; returns the per-file digests the manifest reuses, if any."""
+    file_digests = stats.pop("file_sha256", None)
+    (work / "stats.json").write_text(json.dumps(stats))
+    return file_digests
+
+
 def artifact_digest(path: Path, exclude: tuple[str, ...] = ("stats.json",)) -> str:
     """One digest of an artifact's content (its files' names and sha256; timings excluded) to compare builds."""
     return digest({rel: meta.get("sha256") or file_sha256(Path(path) / rel)

@@ -2,12 +2,13 @@
 minutes on one GPU. `bash scripts/gpu_check.sh [OUT_DIR]`; the summary is OUT_DIR/summary.json.
 
   1. environment: torch + CUDA, GPUs, vLLM, speculators (anything missing is named; exit 2)
-  2. the tiny test verifier (eaglet/testing/tiny_verifier.py) in one vLLM capture engine (extract_hidden_states + the
+  2. the tiny test verifier (eaglet/verifier/tiny.py) in one vLLM capture engine (extract_hidden_states + the
      hidden-states connector): one pass answers the prompts and captures prompt + answer states
   3. the answered conversations captured prefill-only by the same engine and by the hf backend (transformers on
      cuda), compared on the same tokens: per-token cosine and relative error, file layout, token ids
   4. training with eaglet's GPU defaults (flex attention, fused loss, bf16 states; torchrun when >1 GPU visible)
-  5. export to the flat vLLM config, validation, vLLM smoke-load: acceptance, lossless (float32)
+  5. the architecture's export (--architecture; EAGLE-3's flat vLLM config by default), validation, vLLM
+     smoke-load: acceptance, lossless (float32)
 
 --allow-cpu runs the same on CPU (vLLM's CPU backend, CPU training settings): the suite runs it that way so the
 script keeps working where no GPU is lent, with smaller sizes (--samples, --eval-prompts, --max-tokens, --epochs)
@@ -88,7 +89,9 @@ def main() -> int:
     ap.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts of the smoke-load")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens answered per prompt (the pass, the smoke-load)")
     ap.add_argument("--epochs", type=int, default=2, help="training epochs")
-    ap.add_argument("--verifier", help="a tiny verifier already made by eaglet/testing/tiny_verifier.py (default: make one)")
+    ap.add_argument("--architecture", default=None, help="the draft architecture (draft.architecture; default: the "
+                    "config's)")
+    ap.add_argument("--verifier", help="a tiny verifier already made by eaglet/verifier/tiny.py (default: make one)")
     args = ap.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -103,19 +106,20 @@ def main() -> int:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))  # whatever finished, if a later step dies
         return result
 
+    from eaglet import drafts
     from eaglet.config import RunConfig
-    from eaglet.convert import check_flat_draft, write_flat
     from eaglet.data import DEFAULT_PROMPTS, read_conversations, write_conversations
     from eaglet.capture.engine import capture_layers, start_engine, stop_engine
     from eaglet.capture.hf import extract_hidden_states
     from eaglet.capture.shards import token_freq
     from eaglet.capture.vllm import generate_and_capture
     from eaglet.smoke import load_prompts, smoke_test
-    from eaglet.devices import visible_accelerators
-    from eaglet.train import last_checkpoint, speculators_argv, train_draft, write_final_draft
+    from eaglet.verifier.devices import visible_accelerators
+    from eaglet.train.checkpoints import last_checkpoint, write_final_draft
+    from eaglet.train.launch import speculators_argv, train_draft
     from eaglet.verifier import resolve_verifier
-    from eaglet.vocab import build_vocab_mapping
-    from eaglet.testing.tiny_verifier import make_tiny_verifier
+    from eaglet.train.vocab import build_vocab_mapping
+    from eaglet.verifier.tiny import make_tiny_verifier
 
     verifier = Path(args.verifier).resolve() if args.verifier else step(
         "tiny verifier", lambda: make_tiny_verifier(out / "verifier", DEFAULT_PROMPTS))
@@ -159,17 +163,20 @@ def main() -> int:
     for d in (vocab, ckpt, draft):
         d.mkdir(exist_ok=True)
     build_vocab_mapping(token_freq(states), 256, info.vocab_size, vocab)
-    cfg = RunConfig.model_validate({"training": {"epochs": args.epochs, "lr": 3e-3, "warmup_steps": 2}})
-    argv = speculators_argv(str(verifier), states, vocab, ckpt / "checkpoints", info.aux_layer_ids, 256, cfg.draft,
-                            cfg.training)
+    cfg = RunConfig.model_validate({"training": {"epochs": args.epochs, "lr": 3e-3, "warmup_steps": 2},
+                                    "draft": {"draft_vocab_size": 256}
+                                    | ({"architecture": args.architecture} if args.architecture else {})})
+    arch = drafts.for_run(cfg)
+    argv = speculators_argv(arch, cfg, str(verifier), states, vocab, ckpt / "checkpoints", info.aux_layer_ids)
     summary["training"] = {"ranks": max(1, visible_accelerators()), "argv": argv}
     step("training (speculators)", lambda: train_draft(argv, ckpt / "metrics.jsonl"))
     write_final_draft(last_checkpoint(ckpt / "checkpoints"), ckpt)
-    step("export", lambda: write_flat(ckpt, draft, str(verifier)))
-    report = check_flat_draft(draft, str(verifier))
-    summary["validation_warnings"] = report.warnings
+    draft.rmdir()  # the export writes a new directory
+    step("export", lambda: arch.export(ckpt, draft, str(verifier), cfg.export))
+    summary["validation_warnings"] = arch.validate(draft, str(verifier)).warnings
     smoke = step("vLLM smoke-load", lambda: smoke_test(str(verifier), str(draft), load_prompts(out / "eval.jsonl"),
-                                                       k=3, max_tokens=args.max_tokens, max_model_len=512))
+                                                       method=arch.method, k=arch.k(cfg), max_tokens=args.max_tokens,
+                                                       max_model_len=512))
     summary["smoke"] = smoke.model_dump()
     summary["ok"] = bool(summary["hf_vs_vllm"]["ok"] and smoke.lossless and smoke.drafts > 0)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -3,29 +3,44 @@ artifact is gone runs again with Prefect's own refresh_cache instead of handing 
 
 from __future__ import annotations
 
-import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prefect.cache_policies import CachePolicy
+from prefect.utilities.callables import get_call_parameters
 
 from eaglet import store
 
 
-def cache_key(kind: str, key_fn, artifact: bool = True):
-    """A task's Prefect cache key: its artifact's store key. `artifact_missing` (read by `refreshed`) says when that
-    artifact is gone or damaged (gc, by hand), so the cached result would hand later tasks a dead path."""
-    def key(_ctx, params) -> str:
-        return f"eaglet-{kind}-{key_fn(**params)}"
+@dataclass(init=False)
+class ArtifactKey(CachePolicy):
+    """The cache key of a task that builds one store artifact: `eaglet-<kind>-<store key>`. kind: the store kind,
+    or a function of the task's inputs that gives it; artifact=False: the result is the task's return value
+    alone (nothing in the store to check)."""
 
-    def artifact_missing(params) -> bool:
-        path = store.artifact_path(kind, key_fn(**params))
-        return artifact and not (store.is_published(path) and store.intact(path))
+    def __init__(self, kind: str | Callable[..., str], key_fn: Callable[..., str], artifact: bool = True) -> None:
+        super().__init__()
+        self.kind, self.key_fn, self.artifact = kind, key_fn, artifact
 
-    key.artifact_missing = artifact_missing
-    return key
+    def kind_of(self, inputs: dict[str, Any]) -> str:
+        return self.kind if isinstance(self.kind, str) else self.kind(**inputs)
+
+    def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs) -> str:
+        return f"eaglet-{self.kind_of(inputs)}-{self.key_fn(**inputs)}"
+
+    def artifact_missing(self, inputs: dict[str, Any]) -> bool:
+        """The artifact is gone or damaged (gc, by hand): a cached result would hand later tasks a dead path."""
+        if not self.artifact:
+            return False
+        path = store.artifact_path(self.kind_of(inputs), self.key_fn(**inputs))
+        return not (store.is_published(path) and store.intact(path))
 
 
 def refreshed(task, *args):
     """The task to call with these arguments: as defined, or, when its artifact is gone, with Prefect's
     refresh_cache, so it runs, rebuilds the artifact under the same store key and overwrites its cache record."""
-    missing = getattr(task.cache_key_fn, "artifact_missing", None)
-    if missing and missing(inspect.signature(task.fn).bind(*args).arguments):
+    policy = task.cache_policy
+    if isinstance(policy, ArtifactKey) and policy.artifact_missing(get_call_parameters(task.fn, args, {})):
         return task.with_options(refresh_cache=True)
     return task

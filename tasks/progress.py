@@ -9,7 +9,6 @@ import time
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-
 UPDATE_EVERY = 5.0
 
 
@@ -50,3 +49,12 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def with_progress(key: str, description: str, unit: str, work):
+    """work(progress) with a progress artifact and bar that close when it ends."""
+    progress = Progress(key, description, unit)
+    try:
+        return work(progress)
+    finally:
+        progress.close()

@@ -1,32 +1,19 @@
-"""The run's last task: the report, the quality gate and the promotion (eaglet.report), then what the Prefect UI
-shows of them: the report (markdown, plots inline), acceptance per position and the draft history (tables), links
-to the flat draft and the plots. It runs on every run, cached or not."""
+"""The run's last task, on every run, cached or not: the report, the quality gate and the promotion
+(eaglet.report), then what the Prefect UI shows of them (markdown with the plots inline, tables, links)."""
 
 from __future__ import annotations
 
-import base64
 import json
-import re
 from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
 from eaglet.config import RunConfig
-from eaglet.report import write_outputs
+from eaglet.report import acceptance_table, inline_images, write_outputs
 from eaglet.report.history import history_table
 from eaglet.report.loads import engine_loads
 from eaglet.verifier import VerifierInfo
-
-
-def _inline_images(markdown: str, out: Path) -> str:
-    """The UI cannot read files on the worker's disk: a PNG the report links becomes a data URI."""
-    def inline(m: re.Match) -> str:
-        png = out / m.group(2)
-        if not png.is_file():
-            return m.group(0)
-        return f"![{m.group(1)}](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})"
-    return re.sub(r"!\[([^\]]*)\]\(([^):]+\.png)\)", inline, markdown)
 
 
 @task(name="report-and-promote")
@@ -50,14 +37,12 @@ def publish_report(output_dir: str) -> list[str]:
     out = Path(output_dir)
     report = json.loads((out / "report.json").read_text())
     keys = ["eaglet-report"]
-    create_markdown_artifact(key="eaglet-report", markdown=_inline_images((out / "report.md").read_text(), out),
+    create_markdown_artifact(key="eaglet-report", markdown=inline_images((out / "report.md").read_text(), out),
                              description=f"train-eagle3 report ({out / 'report.md'})")
     smoke = report.get("smoke")
     if smoke:
         create_table_artifact(
-            key="acceptance-per-position",
-            table=[{"position": i + 1, "acceptance": round(a, 4), "accepted": round(a * smoke["drafts"]),
-                    "drafts": smoke["drafts"]} for i, a in enumerate(smoke["acceptance_per_position"])],
+            key="acceptance-per-position", table=acceptance_table(smoke),
             description=f"vLLM, k={smoke['num_speculative_tokens']}, {smoke['num_prompts']} held-out prompts: "
                         f"mean acceptance length {smoke['mean_acceptance_length']:.3f}",
         )
@@ -71,7 +56,7 @@ def publish_report(output_dir: str) -> list[str]:
         )
         keys.append("draft-history")
     create_link_artifact(key="flat-draft", link=Path(report["draft_dir"]).as_uri(), link_text=report["draft_dir"],
-                         description="the flat LlamaForCausalLMEagle3 draft vLLM loads")
+                         description=(report.get("draft") or {}).get("served_form", "the draft vLLM loads"))
     keys.append("flat-draft")
     for name, file in (report.get("plots") or {}).items():
         create_link_artifact(key=f"plot-{name}", link=(out / file).resolve().as_uri(), link_text=file,

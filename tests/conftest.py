@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from deployments.stack import prefect_defaults
-from eaglet.testing.tiny_verifier import make_tiny_verifier
+from eaglet.verifier.tiny import make_tiny_verifier
 
 # Prefect's temporary API server logs "Stopping ..." at interpreter exit, after pytest closed its streams.
 logging.raiseExceptions = False
@@ -39,6 +39,17 @@ TINY_RUN = [
     "smoke.num_prompts=16",
     "smoke.max_tokens=48",
 ]
+
+
+HEAVY_FIXTURES = {"e2e_run", "engine", "one_pass", "dflash_run", "nightly", "tiny_kimi"}  # engines and flow runs
+
+
+def pytest_collection_modifyitems(items):
+    """A test that uses an engine or a flow run must be marked e2e, so `make test-fast` never starts one."""
+    unmarked = [i.nodeid for i in items if HEAVY_FIXTURES & set(getattr(i, "fixturenames", ()))
+                and not i.get_closest_marker("e2e")]
+    if unmarked:
+        raise pytest.UsageError(f"mark these e2e (they start an engine or run the flow): {', '.join(unmarked)}")
 
 
 @pytest.fixture(scope="session")

@@ -46,7 +46,7 @@ def make_tiny_kimi_verifier(out: Path, prompts_file: Path, seed: int = 0) -> Pat
     import torch
     from transformers import AutoTokenizer, Kimi_K25Config, Kimi_K25ForConditionalGeneration
 
-    from eaglet.testing.tiny_verifier import make_tiny_verifier
+    from eaglet.verifier.tiny import make_tiny_verifier
 
     make_tiny_verifier(out / "_tok", prompts_file)  # reuse its tokenizer files
     tok = AutoTokenizer.from_pretrained(out / "_tok")

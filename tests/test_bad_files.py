@@ -10,7 +10,8 @@ import shutil
 import pytest
 
 from eaglet.config import load_config
-from eaglet.convert import read_config, read_reference
+from eaglet.drafts.checkpoint import read_config
+from eaglet.drafts.eagle3.reference import read_reference
 from eaglet.data import read_conversations
 from eaglet.errors import EagletError
 from eaglet.verifier import resolve_verifier

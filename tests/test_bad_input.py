@@ -75,6 +75,7 @@ PROMPTS = [{"prompt": f"question {i}"} for i in range(60)]
     ("pickle-only weights", "only pickle weights"),
     ("remote code not allowed", "trust_remote_code"),
 ])
+@pytest.mark.e2e  # the flow, in this process
 def test_bad_input_fails_before_weights(case, message, tiny_verifier, tmp_path, fresh_store):
     v, data = tiny_verifier, data_file(tmp_path, PROMPTS)
     sets = []
@@ -106,6 +107,7 @@ def test_bad_input_fails_before_weights(case, message, tiny_verifier, tmp_path, 
     ("verifier.aux_layer_ids=[2, 15, 30]", "outside the verifier's layers"),
     ("draft.draft_vocab_size=60000", "larger than the verifier's vocabulary"),
 ])
+@pytest.mark.e2e  # the flow, in this process
 def test_embedded_verifier_parameters_checked_before_conversion(override, message, tmp_path, fresh_store):
     """The embedded verifier's conversion dequantizes weights: bad parameters must fail before it."""
     out = tmp_path / "out"
@@ -120,6 +122,7 @@ def test_duplicate_aux_ids_rejected_by_the_parameters():
         load_config(None, ["verifier.aux_layer_ids=[2, 4, 4]"])
 
 
+@pytest.mark.e2e  # `eaglet run`, which fails in its first task
 def test_cli_prints_one_sentence(tiny_verifier, tmp_path):
     proc = run_cli(["run", f"--set=verifier.path={tiny_verifier}", f"--set=data.path={tmp_path / 'nope.jsonl'}",
                     "--output-dir", str(tmp_path / "out")], env_extra={"EAGLET_HOME": str(tmp_path / "store")})

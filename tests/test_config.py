@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from eaglet import drafts
 from eaglet.config import RunConfig, load_config
 from eaglet.errors import EagletError
 from tests.conftest import ROOT
@@ -48,21 +49,25 @@ def test_invalid_parameters_are_one_clear_sentence(override, message):
 @pytest.mark.parametrize("overrides, message", [
     (["training.loss=kl_div"], "dflash.position_weight=dpace needs training.loss=ce"),
     (["smoke.num_speculative_tokens=4"], "more than a DFlash block of 4 can draft (3)"),
-    (["draft.like=/drafts/kimi"], "draft.like takes an EAGLE-3 reference draft"),
+    (["draft.like=/drafts/kimi"], "draft.like (a reference draft's shapes) does not apply to dflash drafts"),
 ])
 def test_dflash_settings_that_do_not_fit_are_one_sentence(overrides, message):
+    """The architecture checks its own settings (eaglet.drafts.for_run: the CLI and resolve-verifier, before any
+    load); the same settings are fine for eagle3."""
     with pytest.raises(EagletError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
-        load_config(None, ["draft.architecture=dflash", *overrides])
+        drafts.for_run(load_config(None, ["draft.architecture=dflash", *overrides]))
     assert "\n" not in str(e.value) and "Value error" not in str(e.value)
-    load_config(None, overrides[:1] if "like" not in overrides[0] else [])  # each is fine for eagle3
+    drafts.for_run(load_config(None, overrides[:1] if "like" not in overrides[0] else []))
+
+
+def test_an_unknown_architecture_is_one_sentence():
+    with pytest.raises(EagletError, match="draft.architecture='medusa' is not a draft architecture eaglet knows: use one of eagle3, dflash"):
+        drafts.for_run(load_config(None, ["draft.architecture=medusa"]))
 
 
 def test_empty_defaults_resolve_per_architecture():
-    from eaglet.config import loss_name, speculative_tokens
-
     eagle3, dflash = load_config(), load_config(None, ["draft.architecture=dflash", "dflash.block_size=8"])
-    assert (loss_name(eagle3), speculative_tokens(eagle3)) == ("kl_div", 3)
-    assert (loss_name(dflash), speculative_tokens(dflash)) == ("ce", 7)
+    assert [(drafts.for_run(c).loss(c), drafts.for_run(c).k(c)) for c in (eagle3, dflash)] == [("kl_div", 3), ("ce", 7)]
 
 
 def test_every_field_is_described():
@@ -79,11 +84,11 @@ def test_every_field_is_described():
 
 
 def test_loss_takes_a_name_or_a_weighted_mix_and_reaches_speculators(tmp_path):
-    from eaglet.train import speculators_argv
+    from eaglet.train.launch import speculators_argv
 
     for value, spec in (("ce", "ce"), ('{"tv": 0.9, "ce": 0.1}', '{"ce": 0.1, "tv": 0.9}')):
         cfg = load_config(None, [f"training.loss={value}", "training.ttt_step_loss_decay=0.8"])
-        argv = speculators_argv("/v", tmp_path, tmp_path, tmp_path, [1, 2, 3], 64, cfg.draft, cfg.training)
+        argv = speculators_argv(drafts.for_run(cfg), cfg, "/v", tmp_path, tmp_path, tmp_path, [1, 2, 3])
         assert argv[argv.index("--loss-fn") + 1] == spec
         assert argv[argv.index("--ttt-step-loss-decay") + 1] == "0.8"
 
@@ -130,7 +135,7 @@ def test_cpu_training_dtype_auto_follows_this_cpus_measured_bf16_speed():
     process, so every cache key and the argv of one run agree."""
     import math
 
-    from eaglet.train import BF16_MIN_SPEEDUP, bf16_matmul_speedup, cpu_dtype
+    from eaglet.train.launch import BF16_MIN_SPEEDUP, bf16_matmul_speedup, cpu_dtype
 
     speedup = bf16_matmul_speedup()
     assert math.isfinite(speedup) and speedup > 0

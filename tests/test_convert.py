@@ -12,7 +12,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eaglet.convert import flatten, load_tensors, unflatten, validate
+from eaglet.drafts.checkpoint import load_tensors
+from eaglet.drafts.eagle3 import flat as flat_form
+from eaglet.drafts.eagle3.flat import flatten, unflatten
+from eaglet.drafts.eagle3.validate import validate
 from eaglet.errors import EagletError
 from tests.conftest import run_cli
 
@@ -212,12 +215,11 @@ def test_existing_output_is_refused(nested, flat, tiny_verifier):
 
 
 def test_failed_conversion_leaves_nothing(nested, tiny_verifier, tmp_path, monkeypatch):
-    import eaglet.convert
 
     def disk_full(*_a, **_k):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(eaglet.convert, "save_file", disk_full)
+    monkeypatch.setattr(flat_form, "save_file", disk_full)
     with pytest.raises(OSError):
         flatten(nested, tmp_path / "flat", str(tiny_verifier))
     assert list(tmp_path.iterdir()) == []  # neither the output nor a temporary directory

@@ -10,18 +10,20 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from deployments.cli import main as eaglet
-from eaglet.config import DFlashParams, DraftParams, TrainingParams
-from eaglet.drafts import dflash, of_checkpoint
-from eaglet.train import speculators_argv
-from eaglet.train.launch import argv_value, argv_values
+from eaglet.config import DFlashParams, DraftParams, RunConfig
+from eaglet import drafts
+from eaglet.drafts import of_checkpoint
+from eaglet.drafts.dflash.validate import validate as dflash_validate
+from eaglet.train.launch import argv_value, argv_values, speculators_argv
 from tests.conftest import run_cli
 
 
 def test_dflash_flags_reach_speculators(tmp_path):
     """speculators' own dflash recipe (ce + dpace by default), every layer full attention and bidirectional (the
     form vLLM's V1 runner serves as trained), no eagle3-only flag."""
-    argv = speculators_argv("/v", tmp_path, tmp_path, tmp_path, [2, 4, 5], 64, DraftParams(architecture="dflash"),
-                            TrainingParams(), dflash=DFlashParams(block_size=8, num_layers=2, max_anchors=64))
+    cfg = RunConfig(draft=DraftParams(architecture="dflash"), dflash=DFlashParams(block_size=8, num_layers=2,
+                                                                                  max_anchors=64))
+    argv = speculators_argv(drafts.for_run(cfg), cfg, "/v", tmp_path, tmp_path, tmp_path, [2, 4, 5])
     assert argv_value(argv, "--speculator-type") == "dflash" and argv_value(argv, "--loss-fn") == "ce"
     assert (argv_value(argv, "--block-size"), argv_value(argv, "--max-anchors")) == ("8", "64")
     assert argv_value(argv, "--per-position-loss-weight") == "dpace" and argv_value(argv, "--draft-arch") == "qwen3"
@@ -58,16 +60,16 @@ def test_dflash_trains_on_the_same_rows_and_vllm_serves_it(dflash_run, e2e_run):
     argv = json.loads((ckpt / "speculators_train_argv.json").read_text())
     assert argv_value(argv, "--speculator-type") == "dflash" and argv_value(argv, "--block-size") == "4"
     from eaglet.report.plots import _series
-    from eaglet.train import read_metrics
+    from eaglet.train.metrics import read_metrics
 
     assert _series(read_metrics(ckpt))[1] == [(f"block position {i}", f"position_{i}_acc") for i in (1, 2, 3)]
-    predicted = json.loads((ckpt / "best_epoch.json").read_text())["simulated"]
+    predicted = json.loads((ckpt / "best_epoch.json").read_text())["predicted"]
     assert predicted is not None and 1.0 <= predicted <= 4.0  # speculators' eal of the delivered epoch
 
     draft = Path(r["artifacts"]["draft"])  # speculators' checkpoint as vLLM reads it: no flat form
     cfg = json.loads((draft / "config.json").read_text())
     assert cfg["speculators_model_type"] == "dflash" and cfg["block_size"] == 4 and cfg["sliding_window_non_causal"]
-    assert of_checkpoint(draft) is dflash and dflash.validate(draft, r["verifier"]["path"]).ok
+    assert of_checkpoint(draft) is drafts.get("dflash") and dflash_validate(draft, r["verifier"]["path"]).ok
 
     s = r["smoke"]
     assert s["method"] == "dflash" and s["num_speculative_tokens"] == 3 and len(s["acceptance_per_position"]) == 3
@@ -125,14 +127,14 @@ HAZARDS = {  # each: what vLLM 0.32 would fail on or silently mis-serve, and the
 def test_each_dflash_hazard_is_named_before_vllm_starts(dflash_run, tiny_verifier, tmp_path):
     draft = Path(dflash_run["report"]["artifacts"]["draft"])
     for name, (change, words) in HAZARDS.items():
-        problems = dflash.validate(_variant(draft, tmp_path, name, change), str(tiny_verifier)).problems
+        problems = dflash_validate(_variant(draft, tmp_path, name, change), str(tiny_verifier)).problems
         assert any(words in p for p in problems), (name, problems)
     two_layers = _variant(draft, tmp_path, "two_layers", _layer(num_hidden_layers=2,
                                                                 layer_types=["full_attention"] * 2))
-    assert any("rms_norm" in p for p in dflash.validate(two_layers, str(tiny_verifier), cpu_vllm=True).problems)
-    assert not any("rms_norm" in p for p in dflash.validate(two_layers, str(tiny_verifier), cpu_vllm=False).problems)
+    assert any("rms_norm" in p for p in dflash_validate(two_layers, str(tiny_verifier), cpu_vllm=True).problems)
+    assert not any("rms_norm" in p for p in dflash_validate(two_layers, str(tiny_verifier), cpu_vllm=False).problems)
     for tensor, words in (("d2t", "no d2t"), ("fc.weight", "fc.weight is missing")):
-        problems = dflash.validate(_variant(draft, tmp_path, f"no_{tensor}", drop=tensor), str(tiny_verifier)).problems
+        problems = dflash_validate(_variant(draft, tmp_path, f"no_{tensor}", drop=tensor), str(tiny_verifier)).problems
         assert any(words in p for p in problems), (tensor, problems)
 
     # the command line: validate knows the architecture, flatten and unflatten refuse it in one sentence
@@ -147,7 +149,7 @@ def test_each_dflash_hazard_is_named_before_vllm_starts(dflash_run, tiny_verifie
 def test_a_warm_start_must_be_of_the_same_architecture(dflash_run, e2e_run):
     """Checked with the verifier's other checks, before any load: speculators would fail deep inside loading."""
     from eaglet.errors import EagletError
-    from eaglet.train import check_init_dir
+    from eaglet.train.warm_start import check_init_dir
 
     eagle3_ckpt = e2e_run["report"]["artifacts"]["checkpoint"]
     dflash_ckpt = dflash_run["report"]["artifacts"]["checkpoint"]

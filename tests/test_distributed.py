@@ -8,7 +8,7 @@ import pytest
 
 from eaglet.capture.hf import extract_hidden_states
 from eaglet.store import file_sha256
-from eaglet.testing.conversations import write_echo_conversations
+from tests.conversations import write_echo_conversations
 
 
 @pytest.fixture(scope="module")

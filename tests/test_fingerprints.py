@@ -10,7 +10,7 @@ import pytest
 from eaglet.capture.rows import row_key
 from eaglet.config import RunConfig
 from eaglet.data import write_conversations
-from eaglet.train import cpu_dtype
+from eaglet.train.launch import cpu_dtype
 from eaglet.verifier import VerifierInfo
 from eaglet.capture import run_backend
 from eaglet.capture.engine import capture_engine_dtype

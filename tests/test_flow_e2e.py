@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from eaglet.convert import flatten, validate
+from eaglet.drafts.eagle3.flat import flatten
+from eaglet.drafts.eagle3.validate import validate
 from eaglet.smoke import load_prompts, read_baseline, smoke_test
 from tests.conftest import run_cli
 
@@ -37,9 +38,9 @@ def test_report_has_the_promised_fields(e2e_run, tiny_verifier):
     assert s["num_speculative_tokens"] == 3 and len(s["acceptance_per_position"]) == 3 and s["num_prompts"] == 16
     assert 1.0 <= s["mean_acceptance_length"] <= 4.0
     assert s["lossless"] is True
-    assert 1.0 < r["simulated_acceptance"] <= 4.0  # what speculators' validation predicts, beside the measured
-    d = r["simulated_decoding"]  # decoding simulated on the validation rows (eaglet.train.acceptance)
-    assert d["rows"] > 0 and abs(d["position_average"] - r["simulated_acceptance"]) < 0.02  # speculators' val rows
+    assert 1.0 < r["validation_acceptance"] <= 4.0  # what speculators' validation predicts, beside the measured
+    d = r["simulated_decoding"]  # decoding simulated on the validation rows (eaglet.drafts.eagle3.acceptance)
+    assert d["rows"] > 0 and abs(d["position_average"] - r["validation_acceptance"]) < 0.02  # speculators' val rows
     assert 1.0 <= d["chain_in_vocab"] <= d["chain"] <= 4.0 and len(d["chain_in_vocab_per_position"]) == 3
     assert "mean acceptance length" in (e2e_run["out"] / "report.md").read_text()
 
@@ -64,7 +65,7 @@ def test_flat_draft_is_what_vllm_expects(e2e_run, tiny_verifier):
 def test_trained_draft_beats_untrained(e2e_run, tiny_verifier, session_dir):
     """An untrained draft (speculators' own initialisation, same shapes) accepts almost nothing. Against the run's
     kept baseline: one engine, the one with the untrained draft."""
-    from eaglet.train import train_draft
+    from eaglet.train.launch import train_draft
 
     ckpt = Path(e2e_run["report"]["artifacts"]["checkpoint"])
     argv = json.loads((ckpt / "speculators_train_argv.json").read_text())
@@ -115,7 +116,8 @@ def test_smoke_command_alone(e2e_run, tiny_verifier, tmp_path):
 def test_flat_and_nested_forms_are_the_same_draft_in_vllm(e2e_run, tiny_verifier):
     """vLLM loads both forms; the converter must not change a single greedy token or acceptance count. The flat
     form's figures are the run's own smoke test (same prompts, job and engine settings): one engine here."""
-    from eaglet.config import load_config, speculative_tokens
+    from eaglet import drafts
+    from eaglet.config import load_config
     from eaglet.smoke import _job, smoke_max_model_len
     from eaglet.vllm import run_job
 
@@ -124,7 +126,8 @@ def test_flat_and_nested_forms_are_the_same_draft_in_vllm(e2e_run, tiny_verifier
     prompts = load_prompts(Path(r["artifacts"]["data"]) / "eval.jsonl", cfg.smoke.num_prompts)
     job = _job(str(tiny_verifier), prompts, cfg.smoke.max_tokens, smoke_max_model_len(cfg), cfg.smoke.dtype,
                cfg.smoke.load_format)
-    nested = run_job(dict(job, draft=str(e2e_run["out"] / "draft-speculators"), k=speculative_tokens(cfg)))
+    nested = run_job(dict(job, draft=str(e2e_run["out"] / "draft-speculators"), k=drafts.for_run(cfg).k(cfg),
+                          method=drafts.for_run(cfg).method))
     flat = r["smoke"]  # the flat draft in the same job: the run's smoke-test
     assert nested["token_ids"] == read_baseline(r["artifacts"]["baseline"])["token_ids"] and flat["lossless"]
     c = nested["spec"]

@@ -9,8 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from eaglet.config import load_config
-from eaglet.convert import (apply_reference, expected_shapes, flat_config, read_reference,
-                            reference_layer_config, tensor_meta, validate, write_json)
+from eaglet.drafts.checkpoint import tensor_meta, write_json
+from eaglet.drafts.eagle3.flat import flat_config
+from eaglet.drafts.eagle3.reference import apply_reference, read_reference, reference_layer_config
+from eaglet.drafts.eagle3.validate import expected_shapes, validate
 from eaglet.errors import EagletError
 from tests.conftest import PROMPTS, run_cli
 from tests.kimi import KIMI_DRAFT_REFERENCE, KIMI_K25, make_tiny_kimi_verifier, write_config_only

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from eaglet.data import prompt_digests, write_conversations
 from eaglet.report.history import decide
-from eaglet.train import read_lineage, warm_start_decision, write_lineage
+from eaglet.train.lineage import read_lineage, write_lineage
+from eaglet.train.warm_start import warm_start_decision
 
 
 def _conversations(path: Path, prompts: list[str]) -> Path:

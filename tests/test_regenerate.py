@@ -1,8 +1,11 @@
 """Sampled answers from vLLM's plain engine (the hf backend's regeneration), on the machine's own backend."""
 
+import pytest
+
 from eaglet.vllm import run_job
 
 
+@pytest.mark.e2e  # an offline vLLM engine
 def test_sampled_answers_survive_a_chunked_prefill(tiny_verifier):
     """A prompt longer than the engine's token budget per step is prefilled in chunks; vLLM then rewinds a seeded
     request's generator, which torch's CPU generator cannot do, and the CPU engine died on the first such request

@@ -7,8 +7,9 @@ import torch
 
 from eaglet import store
 from eaglet.capture.rows import publish_row, view_rows
-from eaglet.train.replay import replayed, seen_rows, training_view
-from eaglet.train.warm_start import run_training, write_lineage
+from eaglet.train.lineage import seen_rows, write_lineage
+from eaglet.train.replay import replayed, training_view
+from eaglet.train.warm_start import run_training
 from eaglet.config import TrainingParams
 
 

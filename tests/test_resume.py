@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from eaglet import store
-from eaglet.train import checkpoint_problem, discard_incomplete_checkpoints
+from eaglet.train.checkpoints import checkpoint_problem, discard_incomplete_checkpoints
 from tests.conftest import PROMPTS, ROOT, run_cli
 
 pytestmark = pytest.mark.e2e

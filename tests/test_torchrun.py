@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from eaglet.config import RunConfig
-from eaglet.devices import visible_accelerators
-from eaglet.train import speculators_argv, train_draft
-from eaglet.train.launch import torchrun_argv, torchrun_command, torchrun_env
+from eaglet.verifier.devices import visible_accelerators
+from eaglet import drafts
+from eaglet.train.launch import speculators_argv, torchrun_argv, torchrun_command, torchrun_env, train_draft
 from eaglet.train.metrics import follow_metrics, metrics_end
 
 
@@ -31,12 +31,13 @@ def test_cpu_trains_in_process():
     assert visible_accelerators() == 0  # no GPU: the default is one process, no torchrun
 
 
+@pytest.mark.e2e  # two ranks of speculators under torchrun
 def test_two_ranks_start_under_torchrun_and_reach_speculators(tiny_verifier, tmp_path):
     save = tmp_path / "work" / "checkpoints"
     cfg = RunConfig()
     # The ranks stop in speculators' set-up, before any data is read: the paths need not exist.
-    argv = speculators_argv(str(tiny_verifier), tmp_path / "states", tmp_path / "vocab", save, [2, 4, 5], 256,
-                            cfg.draft, cfg.training)
+    argv = speculators_argv(drafts.for_run(cfg), cfg, str(tiny_verifier), tmp_path / "states", tmp_path / "vocab",
+                            save, [2, 4, 5])
     with pytest.raises(RuntimeError) as err:
         train_draft(argv, tmp_path / "work" / "metrics.jsonl", lambda row: None, nproc=2)
     text = str(err.value)
@@ -86,7 +87,7 @@ def test_float32_muon_is_upstreams_orthogonalisation_unrounded():
 
 
 def test_the_draft_is_the_epoch_validation_predicts_best(tmp_path):
-    from eaglet.train import best_checkpoint
+    from eaglet.train.checkpoints import best_checkpoint
 
     ckpts = tmp_path / "checkpoints"
     for e in range(3):
@@ -97,14 +98,15 @@ def test_the_draft_is_the_epoch_validation_predicts_best(tmp_path):
             for e, a in ((0, 0.3), (1, 0.5), (2, 0.4))]
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert best_checkpoint(ckpts, metrics) == (ckpts / "1", 1.75)
+    assert best_checkpoint(ckpts, metrics, drafts.get("eagle3").score) == (ckpts / "1", 1.75)
     metrics.write_text("")  # no validation recorded: the last epoch
-    assert best_checkpoint(ckpts, metrics) == (ckpts / "2", None)
+    assert best_checkpoint(ckpts, metrics, drafts.get("eagle3").score) == (ckpts / "2", None)
 
 
 def test_a_warm_start_loads_the_epoch_the_draft_was_delivered_from(tmp_path):
-    from eaglet.report import _simulated
-    from eaglet.train import read_delivered, warm_start_weights, write_delivered
+    from eaglet.report import validation_acceptance
+    from eaglet.train.checkpoints import read_delivered, write_delivered
+    from eaglet.train.warm_start import warm_start_weights
 
     draft = tmp_path / "draft"
     for e in range(3):
@@ -113,16 +115,17 @@ def test_a_warm_start_loads_the_epoch_the_draft_was_delivered_from(tmp_path):
         (draft / "checkpoints" / str(e) / "config.json").write_text("{}")
     assert read_delivered(draft) is None and warm_start_weights(draft) == draft / "checkpoints" / "2"  # older drafts
     write_delivered(draft, draft / "checkpoints" / "1", 1.75)
-    assert read_delivered(draft) == {"epoch": 1, "simulated": 1.75} and _simulated(draft) == 1.75
+    assert read_delivered(draft) == {"epoch": 1, "predicted": 1.75}
+    assert validation_acceptance(draft, drafts.get("eagle3")) == 1.75
     assert warm_start_weights(draft) == draft / "checkpoints" / "1"
 
 
 def test_decoding_walks_from_where_the_last_step_ended():
-    """eaglet.train.acceptance.walk: a step from j accepts the run of right steps (steps after a wrong one do not count)
+    """eaglet.drafts.eagle3.acceptance.walk: a step from j accepts the run of right steps (steps after a wrong one do not count)
     and the next step starts at j + run + 1; positions outside the response are never starts."""
     import torch
 
-    from eaglet.train.acceptance import walk
+    from eaglet.drafts.eagle3.acceptance import walk
 
     right = torch.tensor([[1, 1, 0, 1, 1, 1, 1, 0],   # step 0 right from j
                           [1, 0, 0, 0, 1, 1, 0, 0],   # step 1

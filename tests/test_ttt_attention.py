@@ -6,7 +6,7 @@ from speculators.models.eagle3.attention import create_combined_mask_mod, extend
 from torch.nn.attention.flex_attention import create_mask
 from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa
 
-from eaglet.train import ttt_attention
+from eaglet.train import ttt_attention  # the module, patched by the tests
 from eaglet.train.ttt_attention import chunked_sdpa
 
 

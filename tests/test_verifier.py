@@ -88,7 +88,7 @@ def test_embedded_verifier_converts_with_one_parse_of_the_gguf(tmp_path, monkeyp
     tokenizer with its chat template), and transformers' three parses of the file are one."""
     import gguf
 
-    from eaglet import embedded
+    from eaglet.verifier import embedded
 
     parses = []
     reader = gguf.GGUFReader

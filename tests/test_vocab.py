@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from eaglet.errors import EagletError
-from eaglet.vocab import build_vocab_mapping
+from eaglet.train.vocab import build_vocab_mapping
 
 
 def test_top_tokens_become_the_draft_vocab(tmp_path):

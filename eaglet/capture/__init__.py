@@ -18,6 +18,7 @@ Imports go one way: hf -> dask -> hf_forward -> (torch); vllm -> engine; everyth
 from __future__ import annotations
 
 from eaglet.errors import EagletError
+from eaglet.verifier.devices import visible_accelerators
 
 # Part of the capture cache key: the backends agree to bf16 rounding, not bit for bit. Sampled vllm rows have a
 # version of their own: before eaglet.capture.scheduler, vLLM's capture engine on CPU sampled unrelated tokens
@@ -37,8 +38,6 @@ def resolve_backend(backend: str = "auto", device: str = "auto", tensor_parallel
                     scheduler: str | None = None, data_parallel_size: int = 1) -> str:
     """The backend a run will use ('auto' resolved), or one sentence saying which setting to change. Checked
     before any weights load."""
-    from eaglet.devices import visible_accelerators
-
     gpus = visible_accelerators()
     if device.startswith("cuda") and not gpus:
         raise EagletError(f"extraction.device={device} but no CUDA device is visible; use 'auto' or 'cpu'")

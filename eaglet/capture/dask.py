@@ -13,13 +13,15 @@ directory (a shared filesystem across machines).
 from __future__ import annotations
 
 from pathlib import Path
+from eaglet.capture.hf_forward import load_verifier
+from eaglet.capture.hf_forward import extract_batch, resolve_device
+from eaglet.capture.shards import write_shard
+from eaglet.capture import hf_forward
 
 _MODELS: dict[tuple, object] = {}  # per worker process: (path, device) -> the loaded verifier
 
 
 def _verifier(path: str, device: str, trust_remote_code: bool):
-    from eaglet.capture.hf_forward import load_verifier
-
     key = (path, device)
     if key not in _MODELS:
         _MODELS[key] = load_verifier(path, device, trust_remote_code)
@@ -27,17 +29,12 @@ def _verifier(path: str, device: str, trust_remote_code: bool):
 
 
 def _run_shard(spec: dict, n: int, idx: list[int], batch: list[list[int]]) -> int:
-    from eaglet.capture.hf_forward import extract_batch, resolve_device
-    from eaglet.capture.shards import write_shard
-
     model = _verifier(spec["verifier"], resolve_device(spec["device"]), spec["trust_remote_code"])
     states = extract_batch(model, batch, spec["aux_ids"], spec["pad_id"])
     return write_shard(Path(spec["hs_dir"]), n, idx, batch, states, spec["dtype"])
 
 
 def _verifier_loads() -> int:
-    from eaglet.capture import hf_forward
-
     return hf_forward.VERIFIER_LOADS
 
 

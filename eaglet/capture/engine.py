@@ -26,6 +26,10 @@ from pydantic import BaseModel
 from eaglet.config import RunConfig
 from eaglet.errors import EagletError
 from eaglet.vllm.process import stop_group
+from eaglet.verifier.devices import on_accelerator
+from eaglet.vllm import vllm_env
+from eaglet.smoke import smoke_max_model_len
+from eaglet.verifier.devices import visible_accelerators
 
 log = logging.getLogger("eaglet.vllm")
 
@@ -56,7 +60,6 @@ def engine_dtype(setting: str, device: str = "auto") -> str:
     GPUs."""
     if setting != "auto":
         return setting
-    from eaglet.devices import on_accelerator
 
     return "float32" if device == "cpu" or not on_accelerator() else "bfloat16"
 
@@ -122,8 +125,6 @@ def start_engine(verifier: str, fingerprint: str, layers: list[int], storage: Pa
                  dtype: str = "bfloat16", plain_decode: bool | None = None) -> Engine:
     """Start the server in its own session (its engine processes stop with it) and wait until it answers.
     Its log is storage/server.log."""
-    from eaglet.vllm import vllm_env
-
     storage.mkdir(parents=True, exist_ok=True)
     port = port or free_port(host)
     name = served_name(fingerprint, layers, dtype)
@@ -246,16 +247,12 @@ def started_engine_max_model_len(cfg: RunConfig) -> int:
     """What an engine eaglet starts holds: the data pass's sequences and the smoke test's, so the same engine can
     answer for the smoke baseline (baseline_engine_fits) even where the training answers are shorter than the
     smoke test's (data.max_new_tokens < smoke.max_tokens)."""
-    from eaglet.smoke import smoke_max_model_len
-
     return max(engine_max_model_len(cfg), smoke_max_model_len(cfg) if cfg.smoke.enabled else 0)
 
 
 def baseline_engine_fits(engines: list[Engine] | None, cfg: RunConfig) -> bool:
     """Whether the data pass's engines can give the smoke test its baseline: they compute in the smoke test's dtype
     and hold a held-out prompt with smoke.max_tokens of answer."""
-    from eaglet.smoke import smoke_max_model_len
-
     return (bool(engines) and cfg.smoke.enabled and capture_engine_dtype(cfg) == cfg.smoke.dtype
             and min(e.max_model_len for e in engines) >= smoke_max_model_len(cfg))
 
@@ -271,8 +268,6 @@ def attach_for_run(verifier, cfg: RunConfig) -> list[Engine]:
 def engine_devices(index: int, tensor_parallel_size: int, device: str) -> str:
     """The device setting of engine `index` of a run's data_parallel_size: its own tensor_parallel_size GPUs (a
     slice of the visible ones), or the run's setting where there is no GPU to split."""
-    from eaglet.devices import visible_accelerators
-
     if visible_accelerators() and device == "auto":
         first = index * tensor_parallel_size
         return "cuda:" + ",".join(str(first + g) for g in range(tensor_parallel_size))
@@ -310,6 +305,59 @@ def stop_for_run(engines: list[Engine] | None) -> None:
             stop_engine(engine)
             if engine.storage:
                 shutil.rmtree(engine.storage, ignore_errors=True)
+
+
+
+def loading_summary(cfg: RunConfig) -> str:
+    e = cfg.extraction
+    return (f"loading the verifier into {e.data_parallel_size} vLLM capture engine(s) (tensor parallel "
+            f"{e.tensor_parallel_size} each)")
+
+
+def loaded_summary(fleet: list[Engine]) -> str:
+    """Which engines the run uses and what their loads cost (an attached server's: nothing)."""
+    if all(e.pid is None for e in fleet):
+        return f"using the verifier engines at {', '.join(e.endpoint for e in fleet)}: no load"
+    return "verifier loaded in " + ", ".join(f"{e.load_seconds:.1f} s" for e in fleet)
+
+
+def first_answering(fleet: list[Engine]) -> Engine | None:
+    return next((e for e in fleet if healthy(e.endpoint)), None)
+
+
+def keep_one(fleet: list[Engine]) -> list[Engine]:
+    """The first engine that answers stays up (training streams from one: speculators' client takes one endpoint);
+    the others stop now rather than hold their devices through training."""
+    source = first_answering(fleet)
+    stop_for_run([e for e in fleet if e is not source])
+    return [source] if source else []
+
+
+class RunEngines:
+    """The capture engines of one run, from load-verifier to their last use: the data pass and the smoke baseline,
+    or training when it streams states. Whatever is still up stops when the run leaves the block, failed or not."""
+
+    def __init__(self) -> None:
+        self.fleet: list[Engine] | None = None
+
+    def __enter__(self) -> RunEngines:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def hold(self, fleet: list[Engine]) -> list[Engine]:
+        """The engines up now (load-verifier's, or those stop-spare-engines kept)."""
+        self.fleet = fleet
+        return fleet
+
+    def stop(self) -> None:
+        stop_for_run(self.fleet)
+        self.fleet = None
+
+    def give_baseline(self, cfg: RunConfig) -> bool:
+        """Whether the engines up can answer for the smoke baseline (baseline_engine_fits)."""
+        return baseline_engine_fits(self.fleet, cfg)
 
 
 if __name__ == "__main__":

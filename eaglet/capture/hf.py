@@ -14,6 +14,7 @@ import torch
 from eaglet.capture.hf_forward import extract_batch, load_verifier, release_memory, resolve_device
 from eaglet.capture.shards import bytes_per_token, finish, get_text_hidden_size, shards_left, write_shard
 from eaglet.data import read_conversations, tokenize_conversations
+from eaglet.capture.dask import extract_shards
 
 
 def extract_hidden_states(
@@ -49,8 +50,6 @@ def extract_hidden_states(
     done_tokens, t0 = 0, time.perf_counter()
     worker_loads = None
     if todo and (workers > 1 or scheduler):
-        from eaglet.capture.dask import extract_shards
-
         spec = {"verifier": verifier_path, "device": device, "trust_remote_code": trust_remote_code,
                 "aux_ids": aux_ids, "pad_id": pad_id, "hs_dir": str(hs_dir), "dtype": dtype}
         result = extract_shards(spec, [(n, shards[n]) for n in todo], samples, workers, scheduler, progress=(
@@ -105,3 +104,9 @@ def extract_for_run(verifier, conversations_dir: str, out: Path, cfg, batch_size
     return extract_hidden_states(verifier.path, Path(conversations_dir) / "train.jsonl", out, verifier.aux_layer_ids,
                                  cfg.data.max_seq_len, batch_size, e.dtype, e.device, verifier.trust_remote_code,
                                  progress, workers=e.workers, scheduler=e.scheduler_address)
+
+
+def summary(stats: dict) -> str:
+    """The extraction in a log line."""
+    return (f"extracted {stats['extracted_tokens']} tokens at {stats['tokens_per_s']:.0f} tokens/s "
+            f"({stats['resumed_shards']} of {stats['shards']} shards resumed)")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from eaglet.data import prompt_part, read_conversations, write_conversations
 from eaglet.vllm import run_job
+from eaglet.capture.engine import capture_engine_dtype
 
 
 def regenerate_responses(
@@ -52,10 +53,12 @@ def regenerate_responses(
 
 def regenerate_for_run(verifier, data_dir: str, out_file: Path, cfg, progress=None) -> dict:
     """regenerate_responses with a run's settings: every training row of the data artifact answered."""
-    from eaglet.capture.engine import capture_engine_dtype
-
     d = cfg.data
     return regenerate_responses(verifier.path, Path(data_dir) / "train.jsonl", out_file, d.max_new_tokens,
                                 max_model_len=d.max_seq_len + d.max_new_tokens, temperature=d.temperature,
                                 responses_per_prompt=d.responses_per_prompt, seed=d.seed, progress=progress,
                                 dtype=capture_engine_dtype(cfg))
+
+
+def summary(stats: dict) -> str:
+    return f"regenerated {stats['output_tokens']} tokens at {stats['tokens_per_s']:.0f} tokens/s"

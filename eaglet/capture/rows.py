@@ -26,6 +26,8 @@ from collections import Counter
 from pathlib import Path
 
 from eaglet import store
+from eaglet.capture.shards import stored_tensors
+from eaglet.capture.shards import save_dataset
 
 ROW_KIND = "rows"
 STREAMED_KIND = "row_ids"  # a streamed row: token ids and answers, no states (not reusable by a run that keeps)
@@ -54,11 +56,10 @@ def publish_row(key: str, samples: list[dict], dtype: str) -> Path:
         import torch
         from safetensors.torch import save_file
 
-        from eaglet.capture.shards import _stored
 
         meta = []
         for j, s in enumerate(samples):
-            save_file({**_stored(s["hidden_states"], dtype), "token_ids": torch.tensor(s["input_ids"])},
+            save_file({**stored_tensors(s["hidden_states"], dtype), "token_ids": torch.tensor(s["input_ids"])},
                       str(tmp / f"hs_{j}.safetensors"))
             meta.append({"loss_mask": s["loss_mask"], "response": s.get("response"), "tokens": len(s["input_ids"])})
         (tmp / ROW_FILE).write_text(json.dumps({"samples": meta}))
@@ -99,7 +100,6 @@ def assemble(out: Path, keys: list[str], computed: set[str], streamed: set[str] 
     import torch
     from safetensors import safe_open
 
-    from eaglet.capture.shards import save_dataset
 
     hs_dir = out / "hidden_states"
     hs_dir.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from eaglet.store import file_sha256
+from eaglet.verifier import read_config_dict, text_config_of
 
 SHARD_RECORDS = ".shards"  # hidden_states/.shards/<n>.json: a finished shard's samples and file digests
 
@@ -36,7 +37,7 @@ def write_shard(hs_dir: Path, n: int, idx: list[int], batch: list[list[int]], st
     for i, ids, hs in zip(idx, batch, states):
         name = f"hs_{i}.safetensors"
         tmp = hs_dir / f".{name}.tmp"
-        save_file({**_stored(hs, dtype), "token_ids": torch.tensor(ids, dtype=torch.long)}, str(tmp))
+        save_file({**stored_tensors(hs, dtype), "token_ids": torch.tensor(ids, dtype=torch.long)}, str(tmp))
         os.replace(tmp, hs_dir / name)
         digests[name] = file_sha256(hs_dir / name)
         tokens += len(ids)
@@ -46,7 +47,7 @@ def write_shard(hs_dir: Path, n: int, idx: list[int], batch: list[list[int]], st
     return tokens
 
 
-def _stored(hs: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+def stored_tensors(hs: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
     """The tensors of one sample's file. fp8 is hs-connectors' layout: e4m3 values + a per-token float32 scale
     (`hidden_states_scales`), which speculators' `--hidden-states-backend fp8` dequantizes when it loads."""
     if dtype == "fp8":
@@ -109,8 +110,6 @@ def save_dataset(samples: list[dict], out: Path) -> None:
 
 
 def get_text_hidden_size(verifier_path: str) -> int:
-    from eaglet.verifier import read_config_dict, text_config_of
-
     return text_config_of(read_config_dict(Path(verifier_path)))["hidden_size"]
 
 

@@ -26,10 +26,14 @@ from pathlib import Path
 from eaglet.capture.engine import Engine, EngineError, healthy
 from eaglet.capture.fleet import EngineGone, Fleet, describe_shares
 from eaglet.capture.rows import (assemble, have_row, have_streamed_row, publish_row, publish_streamed_row, read_row,
-                                 row_bytes, row_key)
+                                 row_bytes, row_key, set_view_content)
 from eaglet.capture.shards import bytes_per_token, get_text_hidden_size
 from eaglet.data import assistant_mask, prompt_part, read_conversations
 from eaglet.errors import EagletError
+from eaglet.capture import CAPTURE_VERSIONS
+from eaglet.capture.engine import capture_engine_dtype, capture_layers
+from eaglet.verifier import resolve_verifier
+from eaglet.smoke import held_out_prompts, write_baseline
 
 log = logging.getLogger("eaglet.capture")
 
@@ -175,7 +179,6 @@ def capture_settings(layers: list[int], max_seq_len: int, dtype: str, regenerate
     captured vLLM layer ids (eaglet.capture.engine.capture_layers), not their count: rows of aux [2, 15, 27] are
     not the states of aux [8, 15, 27]."""
     gen = {"max_new_tokens": max_new_tokens, "temperature": temperature, "n": responses_per_prompt, "seed": seed}
-    from eaglet.capture import CAPTURE_VERSIONS
 
     return {"layers": list(layers), "max_seq_len": max_seq_len, "dtype": dtype,
             "generation": gen if regenerate else None, "engine_dtype": engine_dtype,
@@ -184,8 +187,6 @@ def capture_settings(layers: list[int], max_seq_len: int, dtype: str, regenerate
 
 def run_capture_settings(verifier, cfg) -> dict:
     """capture_settings for a run: a VerifierInfo and a RunConfig."""
-    from eaglet.capture.engine import capture_engine_dtype, capture_layers
-
     d = cfg.data
     return capture_settings(capture_layers(verifier.aux_layer_ids, verifier.num_layers), d.max_seq_len,
                             cfg.extraction.dtype, d.regenerate, d.max_new_tokens, d.temperature,
@@ -314,8 +315,6 @@ def generate_and_capture(engines: Engine | list[Engine] | None, tokenizer_path: 
     from transformers import AutoTokenizer
 
     if fingerprint is None:
-        from eaglet.verifier import resolve_verifier
-
         fingerprint = resolve_verifier(tokenizer_path, trust_remote_code=trust_remote_code).fingerprint
     num_layers = len(layers)
     settings = capture_settings(layers, max_seq_len, dtype, regenerate, max_new_tokens, temperature,
@@ -442,8 +441,6 @@ def budget_bytes(cfg) -> int | None:
 def capture_for_run(engines: list[Engine] | None, verifier, data_dir: str, out: Path, cfg, progress,
                     plan: str | None) -> dict:
     """generate_and_capture with a run's settings (plan: plan_for_run's file, if the run made one)."""
-    from eaglet.capture.engine import capture_engine_dtype, capture_layers
-
     d = cfg.data
     return generate_and_capture(
         engines, verifier.path, Path(data_dir) / "train.jsonl", out,
@@ -453,11 +450,19 @@ def capture_for_run(engines: list[Engine] | None, verifier, data_dir: str, out: 
         plan=Path(plan) if plan else None, states=cfg.extraction.states, budget_bytes=budget_bytes(cfg))
 
 
+def view_for_run(engines: list[Engine] | None, verifier, data_dir: str, out: Path, cfg, progress, plan: str | None,
+                 content_key: str) -> dict:
+    """capture_for_run, then the view's record of the key of the view that would keep all its rows' states, when
+    some are streamed (content_key: keys.capture_content_key)."""
+    stats = capture_for_run(engines, verifier, data_dir, out, cfg, progress, plan)
+    if stats["rows_streamed"]:
+        set_view_content(out, content_key)
+    return stats
+
+
 def baseline_from_engine(out: Path, engines: list[Engine], verifier, data_dir: str, cfg) -> dict:
     """The smoke baseline (eaglet.smoke.write_baseline) from a capture engine's greedy answers to the held-out
     prompts (the first that still answers): the smoke test then starts one engine, the one with the draft."""
-    from eaglet.smoke import held_out_prompts, write_baseline
-
     engine = next((e for e in engines if healthy(e.endpoint)), None)
     if engine is None:
         raise EngineError("no capture engine answers any more for the smoke baseline")

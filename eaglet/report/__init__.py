@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 import shutil
 import time
 from pathlib import Path
 
+from eaglet import drafts
+from eaglet.capture.fleet import describe_shares
 from eaglet.config import RunConfig
+from eaglet.data import prompt_digests
+from eaglet.report import history
+from eaglet.report.history import DEFAULT_ARCHITECTURE, when
+from eaglet.report.plots import acceptance_history, acceptance_per_position, training_curves
+from eaglet.smoke import read_baseline
 from eaglet.store import LAST_USED, MANIFEST, publish_dir
+from eaglet.train.checkpoints import read_delivered
+from eaglet.train.lineage import read_lineage
+from eaglet.train.metrics import read_metrics
 from eaglet.verifier import VerifierInfo
 
 
@@ -69,8 +81,6 @@ def _short(v: object) -> str:
 
 def _engine_shares(shares: list[dict]) -> list[str]:
     """The data pass's engines, when it had several: each one's rows and speed, and any taken out (and why)."""
-    from eaglet.capture.fleet import describe_shares
-
     return ["- capture engines: " + describe_shares(shares)] if len(shares) > 1 else []
 
 
@@ -93,6 +103,7 @@ def _states_line(report: dict) -> list[str]:
 
 def render_markdown(report: dict) -> str:
     v = report["verifier"]
+    d = report.get("draft") or {"architecture": report["params"]["draft"].get("architecture", DEFAULT_ARCHITECTURE)}
     tasks = report["tasks"]
     cached = [n for n, t in tasks.items() if t["state"] == "Cached"]
     lines = [
@@ -103,7 +114,7 @@ def render_markdown(report: dict) -> str:
         f"- data: {report.get('data_summary') or report['artifacts']['data']}",
         *_engine_shares((report.get("extraction") or {}).get("engines") or []),
         *_states_line(report),
-        f"- draft (vLLM, {report['params']['draft'].get('architecture', 'eagle3')}): `{report['draft_dir']}`",
+        f"- draft ({d['architecture']}, {d.get('served_form', 'what vLLM loads')}): `{report['draft_dir']}`",
         f"- speculators checkpoint: `{report['speculators_dir']}`",
         f"- verifier weight loads before training: {report['verifier_loads']}; engine loads by stage: "
         + ", ".join(f"{k} {v}" for k, v in report.get("engine_loads", {}).items())
@@ -128,14 +139,13 @@ def render_markdown(report: dict) -> str:
             "",
             "## vLLM smoke test",
             "",
-            f"- draft: {s.get('method', 'eagle3')}, k = {s['num_speculative_tokens']}, {s['num_prompts']} held-out "
+            f"- draft: {s.get('method', d['architecture'])}, k = {s['num_speculative_tokens']}, {s['num_prompts']} held-out "
             "prompts, greedy",
             f"- mean acceptance length: **{s['mean_acceptance_length']:.3f}** (1 + accepted / drafts; at most "
             f"{s['num_speculative_tokens'] + 1})",
             "- acceptance per position: " + ", ".join(f"{a:.3f}" for a in s["acceptance_per_position"]),
-            "- speculators' validation, delivered epoch (eagle3: 1 + sum of full_acc_k, the position average; "
-            "dflash: eal, the accepted run per block + 1): "
-            + (f"{report['simulated_acceptance']:.3f}" if report.get("simulated_acceptance") else "not available"),
+            f"- speculators' validation, delivered epoch ({d.get('score_meaning', 'the architecture score')}): "
+            + (f"{report['validation_acceptance']:.3f}" if report.get("validation_acceptance") else "not available"),
             "- simulated decoding on those validation rows (drafts start where the previous step ended; a token "
             "outside the draft vocabulary is rejected), what vLLM should measure: " + _decoding(report),
             f"- lossless (identical outputs with and without the draft): {s['lossless']}",
@@ -161,8 +171,6 @@ def render_markdown(report: dict) -> str:
             lines.append(f"- quality gate: **failed**: {report['gate_failure']}")
     hist = report.get("history") or []
     if hist:
-        from eaglet.report.history import when
-
         lines += ["", "## Draft history (this directory)", "",
                   "| finished | draft | architecture, k | mean acceptance | per position | lossless | rows | warm start "
                   "| current |", "|---|---|---|---:|---|---|---:|---|---|"]
@@ -211,24 +219,19 @@ def _decoding(report: dict) -> str:
             + f"; {d['rows']} rows, k = {d['ttt_steps']})")
 
 
-def _simulated(checkpoint: Path) -> float | None:
-    """The acceptance length the delivered epoch's validation metrics predict (eaglet.train.simulated_acceptance),
-    from the metrics eaglet recorded while training (speculators does not always save val_metrics.json)."""
-    from eaglet.train import read_delivered, read_metrics, simulated_acceptance
-
+def validation_acceptance(checkpoint: Path, arch: drafts.DraftArchitecture) -> float | None:
+    """The acceptance length the delivered epoch's validation metrics predict (the architecture's score), from the
+    metrics eaglet recorded while training (speculators does not always save val_metrics.json)."""
     delivered = read_delivered(checkpoint)  # the delivered epoch and its figure (eaglet.train.best_checkpoint)
     if delivered:
-        return delivered["simulated"]
+        return delivered["predicted"]
     val = [r for r in read_metrics(checkpoint) if r["kind"] == "val"]  # older drafts: the last epoch's
     last = max(reversed(val), key=lambda r: r["epoch"] or 0) if val else None  # a resumed run repeats rows: the last
-    return simulated_acceptance(last["metrics"]) if last else None
+    return arch.score(last["metrics"]) if last else None
 
 
 def make_plots(out: Path, checkpoint_dir: str, smoke: dict | None) -> dict[str, str]:
     """PNG files beside the report; returns their names (the report links them relatively)."""
-    from eaglet.report.plots import acceptance_per_position, training_curves
-    from eaglet.train import read_metrics
-
     plots = {}
     if training_curves(read_metrics(Path(checkpoint_dir)), out / "training.png"):
         plots["training"] = "training.png"
@@ -261,9 +264,8 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
     verifier_loads: weight loads before training; engine_loads: per stage, every load of the run.
     comparison: eaglet.report.history.comparison_key of the smoke test. Keeps the draft in DIR/drafts/<key> and moves
     DIR/current to it if it passes the gate and beats the current one (eaglet.report.history)."""
-    from eaglet.report import history
-
     out = out.resolve()
+    arch = drafts.get(params.draft.architecture)
     draft_key = Path(artifacts["draft"]).name
     failure = history.gate_failure(smoke, params.smoke.min_acceptance)
     promotion = history.decide(out, draft_key, smoke, comparison, failure)
@@ -289,7 +291,8 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
         "warm_start": warm_start,
         "held_out": held_out_overlap(Path(artifacts["data"]), Path(artifacts["checkpoint"]),
                                      (warm_start or {}).get("from")),
-        "simulated_acceptance": _simulated(Path(artifacts["checkpoint"])),
+        "draft": {"architecture": arch.name, "served_form": arch.served_form, "score_meaning": arch.score_meaning},
+        "validation_acceptance": validation_acceptance(Path(artifacts["checkpoint"]), arch),
         "simulated_decoding": _json(Path(artifacts["checkpoint"]) / "acceptance.json"),
         "streamed": _json(Path(artifacts["checkpoint"]) / "streamed.json"),
         "finished": time.time(),
@@ -299,8 +302,6 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
     }
     baseline = {}
     if "baseline" in artifacts:
-        from eaglet.smoke import read_baseline
-
         baseline = {k: v for k, v in read_baseline(artifacts["baseline"]).items() if k != "token_ids"}
     report["baseline"] = baseline or None
     report["load_seconds"] = load_seconds(report["tasks"], {"regeneration": report["regeneration"] or {},
@@ -325,9 +326,6 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
 def held_out_overlap(data_dir: Path, checkpoint: Path, warm_from: str | None) -> dict:
     """How many of the run's held-out prompts the delivered draft, or any draft it was warm-started from, trained
     on (0 unless a rule broke; None: not known, a warm start from a directory with no eaglet lineage)."""
-    from eaglet.data import prompt_digests
-    from eaglet.train import read_lineage
-
     held = prompt_digests(data_dir / "eval.jsonl")
     lineage = read_lineage(checkpoint)
     if lineage is None:  # a draft trained before lineages were kept: its own rows, and its warm start's record
@@ -345,6 +343,20 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def make_history_plot(out: Path, rows: list[dict]) -> bool:
-    from eaglet.report.plots import acceptance_history
-
     return acceptance_history(rows, out / "history.png") is not None
+
+
+def inline_images(markdown: str, out: Path) -> str:
+    """The UI cannot read files on the worker's disk: a PNG the report links becomes a data URI."""
+    def inline(m: re.Match) -> str:
+        png = out / m.group(2)
+        if not png.is_file():
+            return m.group(0)
+        return f"![{m.group(1)}](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})"
+    return re.sub(r"!\[([^\]]*)\]\(([^):]+\.png)\)", inline, markdown)
+
+
+def acceptance_table(smoke: dict) -> list[dict]:
+    """The smoke test's acceptance per position as table rows (the UI's acceptance-per-position)."""
+    return [{"position": i + 1, "acceptance": round(a, 4), "accepted": round(a * smoke["drafts"]),
+             "drafts": smoke["drafts"]} for i, a in enumerate(smoke["acceptance_per_position"])]

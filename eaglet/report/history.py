@@ -17,7 +17,11 @@ import time
 import uuid
 from pathlib import Path
 
+from eaglet.config import DraftParams
 from eaglet.store import digest, link_or_copy, publish_dir
+
+# a report from before runs recorded their architecture was of the config's default one
+DEFAULT_ARCHITECTURE = DraftParams().architecture
 
 DRAFTS, CURRENT = "drafts", "current"
 
@@ -111,7 +115,7 @@ def history(out: Path) -> list[dict]:
             "finished": r.get("finished") or report.stat().st_mtime,
             "draft": report.parent.name,
             "architecture": smoke.get("method")
-            or (r.get("params") or {}).get("draft", {}).get("architecture", "eagle3"),
+            or (r.get("params") or {}).get("draft", {}).get("architecture", DEFAULT_ARCHITECTURE),
             "k": smoke.get("num_speculative_tokens"),
             "acceptance": smoke.get("mean_acceptance_length"),
             "per_position": smoke.get("acceptance_per_position"),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from eaglet.train.metrics import read_metrics, simulated_acceptance
+from eaglet.train.metrics import read_metrics
 
 
 def write_final_draft(epoch_dir: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -92,9 +92,9 @@ def last_checkpoint(save_path: Path) -> Path:
 
 
 def best_checkpoint(save_path: Path, metrics_file: Path,
-                    score: Callable[[dict], float | None] = simulated_acceptance) -> tuple[Path, float | None]:
+                    score: Callable[[dict], float | None]) -> tuple[Path, float | None]:
     """The complete epoch checkpoint whose validation predicts the longest acceptance (score: the architecture's,
-    eaglet.drafts; EAGLE-3's simulated_acceptance by default), and that figure; the last epoch when no epoch was
+    DraftArchitecture.score), and that figure; the last epoch when no epoch was
     validated. speculators' own --save-best ranks by validation loss,
     which for a KL loss also rewards matching the verifier's low-probability tokens that acceptance never sees."""
     last = last_checkpoint(save_path)
@@ -113,10 +113,14 @@ DELIVERED_FILE = "best_epoch.json"  # in a draft_ckpt artifact: which epoch is t
 
 
 def write_delivered(draft: Path, epoch_dir: Path, predicted: float | None) -> None:
-    (draft / DELIVERED_FILE).write_text(json.dumps({"epoch": int(epoch_dir.name), "simulated": predicted}))
+    (draft / DELIVERED_FILE).write_text(json.dumps({"epoch": int(epoch_dir.name), "predicted": predicted}))
 
 
 def read_delivered(draft: Path) -> dict | None:
-    """{"epoch", "simulated"} of the epoch a stored draft was delivered from (None for drafts older than it)."""
+    """{"epoch", "predicted"} of the epoch a stored draft was delivered from, and the acceptance length its validation
+    predicts (None for drafts older than the file; drafts stored before the field was renamed call it "simulated")."""
     path = draft / DELIVERED_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    return {"epoch": record["epoch"], "predicted": record.get("predicted", record.get("simulated"))}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from eaglet.train.ttt_attention import chunked_ttt_attention
 
 
 def _newton_schulz_float32(grad, ns_coefficients, ns_steps, eps):
@@ -48,8 +49,6 @@ def cpu_patches():
     Not a fix but a CPU speed-up: the draft's attention skips the keys its packed TTT mask excludes
     (eaglet.train.ttt_attention).
     """
-    from eaglet.train.ttt_attention import chunked_ttt_attention
-
     import speculators.train.checkpointer as ckpt
     import speculators.train.cli as cli
     import speculators.train.trainer as trainer

@@ -10,25 +10,27 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from eaglet import convert, drafts
+from eaglet.capture.rows import view_rows
 from eaglet.config import RunConfig
-from eaglet.devices import on_accelerator
+from eaglet.drafts.base import DraftArchitecture
+from eaglet.drafts.checkpoint import write_json
 from eaglet.train.checkpoints import (best_checkpoint, discard_incomplete_checkpoints, write_delivered,
                                       write_final_draft)
 from eaglet.train.launch import BF16_MIN_SPEEDUP, bf16_matmul_speedup, cpu_dtype, speculators_argv, train_draft
-from eaglet.capture.rows import view_rows
+from eaglet.train.lineage import write_lineage
 from eaglet.train.metrics import METRICS_FILE, training_monitor
-from eaglet.train.stream import requests_served
 from eaglet.train.replay import REPLAY_VIEW, training_view
-from eaglet.train.warm_start import run_training, warm_start_weights, write_lineage
+from eaglet.train.stream import requests_served
+from eaglet.train.warm_start import run_training, warm_start_weights
 from eaglet.verifier import VerifierInfo
+from eaglet.verifier.devices import on_accelerator
 
 STREAM_FILE = "streamed.json"  # in a draft_ckpt artifact trained on streamed states: what the engine computed
 ARGV_FILE = "speculators_train_argv.json"  # in a draft_ckpt artifact: the run, reproducible with `speculators train`
 
 
-def train_stage(work_dir: Path, verifier: VerifierInfo, states_dir: Path, vocab_dir: Path, init_dir: Path | None,
-                train_file: Path, cfg: RunConfig, log: logging.Logger | logging.LoggerAdapter,
+def train_stage(arch: DraftArchitecture, work_dir: Path, verifier: VerifierInfo, states_dir: Path, vocab_dir: Path,
+                init_dir: Path | None, train_file: Path, cfg: RunConfig, log: logging.Logger | logging.LoggerAdapter,
                 progress: Callable[..., None], engine=None) -> dict | None:
     """Train into work_dir (the draft_ckpt artifact being built): the top level is the delivered draft, every
     epoch stays under checkpoints/. Returns the simulated decoding on the validation rows (None if not possible).
@@ -43,9 +45,10 @@ def train_stage(work_dir: Path, verifier: VerifierInfo, states_dir: Path, vocab_
     for note in discard_incomplete_checkpoints(work):
         log.warning(f"discarded an incomplete checkpoint ({note}); resuming from the one before")
     layer_config = None
-    if cfg.draft.like and not init_dir:  # the reference draft's layer shapes instead of the verifier's
+    reference = arch.reference_layer_config(cfg) if not init_dir else None
+    if reference:  # draft.like: the reference draft's layer shapes instead of the verifier's
         layer_config = work_dir / "draft_layer_config.json"
-        convert.write_json(layer_config, convert.reference_layer_config(convert.read_reference(cfg.draft.like)))
+        write_json(layer_config, reference)
     data_path = states_dir
     shutil.rmtree(work_dir / REPLAY_VIEW, ignore_errors=True)  # a resumed attempt rebuilds the same view
     if init_dir and training.warm_replay_fraction < 1:
@@ -54,13 +57,11 @@ def train_stage(work_dir: Path, verifier: VerifierInfo, states_dir: Path, vocab_
             data_path = work_dir / REPLAY_VIEW
             log.info(f"warm start trains on {view['rows']} rows: {view['new']} its lineage never saw and "
                      f"{view['replayed']} replayed (training.warm_replay_fraction {training.warm_replay_fraction})")
-    arch = drafts.of(cfg.draft.architecture)
-    argv = speculators_argv(verifier.path, data_path, vocab_dir, work, verifier.aux_layer_ids,
-                            cfg.draft.draft_vocab_size, cfg.draft, training, verifier.trust_remote_code,
-                            draft_config=layer_config, multimodal=verifier.nested_text_config,
-                            states_dtype=cfg.extraction.dtype,
+    argv = speculators_argv(arch, cfg, verifier.path, data_path, vocab_dir, work, verifier.aux_layer_ids, training,
+                            verifier.trust_remote_code, draft_config=layer_config,
+                            multimodal=verifier.nested_text_config, states_dtype=cfg.extraction.dtype,
                             init=warm_start_weights(init_dir) if init_dir else None,
-                            endpoint=engine.endpoint if stream else None, dflash=cfg.dflash)
+                            endpoint=engine.endpoint if stream else None)
     (work_dir / ARGV_FILE).write_text(json.dumps(argv))
     if training.cpu_dtype == "auto" and not on_accelerator():
         log.info(f"training in {cpu_dtype('auto')} on this CPU: its bf16 matmuls run {bf16_matmul_speedup():.2f}x "
@@ -79,7 +80,7 @@ def train_stage(work_dir: Path, verifier: VerifierInfo, states_dir: Path, vocab_
     write_final_draft(best, work_dir)
     write_delivered(work_dir, best, predicted)
     write_lineage(work_dir, train_file, init_dir, view_rows(states_dir)["rows"] or None)
-    try:  # what vLLM should measure: decoding simulated on the validation rows (eaglet.train.acceptance)
+    try:  # what vLLM should measure: decoding simulated on the validation rows, where the architecture can
         sim = arch.simulate(best, argv, work_dir / "acceptance.json", stream)
     except Exception as e:  # a figure for the report, not a reason to lose the training
         log.warning(f"could not simulate decoding on the validation rows: {type(e).__name__}: {e}")

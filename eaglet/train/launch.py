@@ -20,10 +20,13 @@ from pathlib import Path
 
 import torch
 
-from eaglet.config import DFlashParams, DraftParams, TrainingParams, loss_spec, resolved_loss
-from eaglet.devices import on_accelerator, visible_accelerators
+from eaglet.config import RunConfig, TrainingParams, loss_spec
+from eaglet.drafts.base import DraftArchitecture
+from eaglet.verifier import read_config_dict, text_config_of
+from eaglet.verifier.devices import on_accelerator, visible_accelerators
 from eaglet.train.cpu import cpu_patches, float32_muon, keep_log_handlers, lossless_checkpoints
 from eaglet.train.metrics import MetricsRecorder, follow_metrics, metrics_end
+from eaglet.train.stream import from_engine
 
 
 @functools.lru_cache(maxsize=1)
@@ -64,37 +67,34 @@ def cpu_dtype(setting: str) -> str:
 
 
 def speculators_argv(
+    arch: DraftArchitecture,
+    cfg: RunConfig,
     verifier_path: str,
     data_path: Path,
     vocab_dir: Path,
     save_path: Path,
     aux_ids: list[int],
-    draft_vocab_size: int,
-    draft: DraftParams,
-    training: TrainingParams,
+    training: TrainingParams | None = None,
     trust_remote_code: bool = False,
     draft_config: Path | None = None,
     multimodal: bool = False,
     states_dtype: str = "bfloat16",
     init: Path | None = None,
     endpoint: str | None = None,
-    dflash: DFlashParams | None = None,
 ) -> list[str]:
     """The `speculators train` arguments for this run (also written to the artifact for reproduction): the draft
-    architecture's own (eaglet.drafts), then what every architecture shares. endpoint: the capture engine that
-    computes the states of samples the view does not hold (extraction.states)."""
-    from eaglet import drafts
-
-    arch = drafts.of(draft.architecture)
-    dflash = dflash or DFlashParams()
+    architecture's own, then what every architecture shares. training: cfg.training as this run uses it (a warm
+    start's own epochs and rate; eaglet.train.warm_start.run_training). endpoint: the capture engine that computes
+    the states of samples the view does not hold (extraction.states)."""
+    training = training or cfg.training
     argv = [
-        *arch.speculators_args(draft, training, dflash),
+        *arch.speculators_args(cfg),
         "--verifier-name-or-path", verifier_path,
         "--data-path", str(data_path),
         "--save-path", str(save_path),
         "--log-dir", str(save_path / "logs"),
         "--target-layer-ids", *[str(i) for i in aux_ids],
-        "--draft-vocab-size", str(draft_vocab_size),
+        "--draft-vocab-size", str(cfg.draft.draft_vocab_size),
         "--d2t-path", str(vocab_dir / "d2t.npy"),
         "--t2d-path", str(vocab_dir / "t2d.npy"),
         "--epochs", str(training.epochs),
@@ -102,7 +102,7 @@ def speculators_argv(
         "--optimizer", training.optimizer,
         "--scheduler-type", training.scheduler,
         "--scheduler-warmup-steps", str(training.warmup_steps),
-        "--loss-fn", loss_spec(resolved_loss(training, draft.architecture)),
+        "--loss-fn", loss_spec(arch.loss(cfg)),
         "--total-seq-len", str(training.total_seq_len),
         "--train-data-ratio", "0.95",
         "--seed", str(training.seed),
@@ -123,7 +123,7 @@ def speculators_argv(
     elif draft_config is not None:  # shapes from a reference draft (draft.like) instead of the verifier
         argv += ["--draft-config", str(draft_config)]  # speculators refuses the shaping flags beside it
     else:
-        argv += arch.shape_args(draft, dflash)
+        argv += arch.shape_args(cfg)
     if on_accelerator():
         argv += ["--hidden-states-dtype", "bfloat16"]  # GPU defaults: flex attention, fused loss
     else:
@@ -137,7 +137,6 @@ def speculators_argv(
 
 
 def _any_special_token_id(verifier_path: str) -> int:
-    from eaglet.verifier import read_config_dict, text_config_of
 
     cfg = read_config_dict(Path(verifier_path))
     text = text_config_of(cfg)
@@ -215,8 +214,6 @@ def train_draft(argv: list[str], metrics_file: Path | None = None,
     nproc: ranks (default: the visible GPUs). Above 1, torchrun launches them (speculators shards the draft with
     FSDP); otherwise speculators runs in this process. Either way a rerun resumes from the last epoch in
     --save-path. stream: {"served_name", "dtype"} of the engine at --vllm-endpoint (eaglet.train.stream)."""
-    from eaglet.train.stream import from_engine
-
     nproc = visible_accelerators() if nproc is None else nproc
     if nproc > 1:
         return _train_with_torchrun(argv, metrics_file, on_metrics, nproc, stream)

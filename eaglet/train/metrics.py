@@ -43,14 +43,6 @@ class MetricsRecorder(logging.Handler):
         super().close()
 
 
-def simulated_acceptance(val_metrics: Mapping[str, float]) -> float | None:
-    """The position average: 1 + the sum over draft positions k of speculators' full_acc_k (the share of all
-    response positions where steps 0..k were all right). It over-predicts vLLM; eaglet.train.acceptance says why and
-    simulates decoding instead."""
-    accs = [v for k, v in val_metrics.items() if k.startswith("full_acc_")]
-    return 1.0 + sum(accs) if accs else None
-
-
 def read_metrics(path: Path) -> list[dict]:
     f = path / METRICS_FILE if path.is_dir() else path
     return [json.loads(line) for line in f.read_text().splitlines() if line.strip()] if f.is_file() else []
@@ -81,12 +73,12 @@ def follow_metrics(path: Path, on_metrics: Callable[[dict], None], stop: threadi
 
 
 def training_monitor(log, progress: Callable[..., None], epochs: int,
-                     score: Callable[[Mapping[str, float]], float | None] | None = None) -> Callable[[dict], None]:
+                     score: Callable[[Mapping[str, float]], float | None]) -> Callable[[dict], None]:
     """on_metrics for train_draft: speculators' metrics into the run log (every 10th logged step, every epoch's
     validation) and progress(done, total, note=...) in epochs. speculators logs every 10th step and says nothing of
     an epoch's length, so progress within an epoch is known from the second epoch on (the first one's last step).
-    score: the architecture's predicted acceptance from validation metrics (default simulated_acceptance)."""
-    score = score or simulated_acceptance
+    score: the architecture's predicted acceptance from validation metrics (DraftArchitecture.score). Epochs are
+    counted from 1 in the log as in the progress (speculators counts from 0)."""
     last_step: dict[int, int] = {}  # epoch -> the last global step seen in it
     rows = 0
 
@@ -97,15 +89,15 @@ def training_monitor(log, progress: Callable[..., None], epochs: int,
         nonlocal rows
         epoch = row["epoch"] or 0
         if row["kind"] == "val":
-            sim = score(row["metrics"])
-            log.info(f"epoch {epoch} validation: {short(row['metrics'])}"
-                     + (f"; predicted acceptance length {sim:.3f}" if sim else ""))
+            predicted = score(row["metrics"])
+            log.info(f"epoch {epoch + 1} of {epochs} validation: {short(row['metrics'])}"
+                     + (f"; predicted acceptance length {predicted:.3f}" if predicted else ""))
             progress(epoch + 1, epochs, note=f"{epoch + 1} of {epochs} epochs done")
             last_step[epoch] = row["step"] or last_step.get(epoch, 0)  # the epoch's last step
             return
         rows += 1
         if rows % 10 == 1:
-            log.info(f"epoch {epoch} step {row['step']}: {short(row['metrics'])}")
+            log.info(f"epoch {epoch + 1} of {epochs}, step {row['step']}: {short(row['metrics'])}")
         step, before = row["step"] or 0, last_step.get(epoch - 1, 0)
         last_step[epoch] = step
         if epoch - 1 in last_step:

@@ -4,31 +4,12 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
-from eaglet import store
 from eaglet.capture.rows import assemble, view_rows
-from eaglet.train.warm_start import read_lineage
+from eaglet.train.lineage import seen_rows
 
 REPLAY_VIEW = "replay_view"  # in a draft_ckpt work dir while it trains; removed once the draft is delivered
-
-
-def seen_rows(draft: Path) -> set[str]:
-    """Row keys a stored draft and its warm-start ancestors trained on: its lineage's record, or, for a draft
-    trained before lineages kept rows, its manifest chain (the states view it trained on, then its own init)."""
-    record = read_lineage(draft) or {}
-    if "rows" in record:
-        return set(record["rows"])
-    manifest = draft / store.MANIFEST
-    if not manifest.is_file():
-        return set()
-    inputs = json.loads(manifest.read_text()).get("inputs", {})
-    rows = set(view_rows(store.artifact_path("hidden_states", inputs["states"]))["rows"]) if inputs.get("states") \
-        else set()
-    if inputs.get("init"):
-        rows |= seen_rows(Path(inputs["init"]))
-    return rows
 
 
 def replayed(key: str, fraction: float) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from eaglet.capture.shards import stored_tensors
 
 class StoredDtypeTransfer:
     """speculators' hidden-states transfer, with generated samples rounded to the stored dtype."""
@@ -44,9 +45,7 @@ class StoredDtypeTransfer:
 
 def rounded(states: torch.Tensor, dtype: str) -> torch.Tensor:
     """The states a kept row of this dtype gives back when read (fp8: speculators' fp8 reader's bfloat16)."""
-    from eaglet.capture.shards import _stored
-
-    stored = _stored(states, dtype)
+    stored = stored_tensors(states, dtype)
     if dtype == "fp8":
         from hs_connectors.fp8_utils import SCALES_KEY, dequantize_fp8_tensor
 

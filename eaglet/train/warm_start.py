@@ -10,9 +10,10 @@ from pathlib import Path
 from eaglet.config import TrainingParams
 from eaglet.errors import EagletError, read_json_file
 from eaglet.train.checkpoints import last_checkpoint, read_delivered
+from eaglet.train.lineage import read_lineage
 
 
-def check_init_dir(path: str | Path, architecture: str = "eagle3") -> None:
+def check_init_dir(path: str | Path, architecture: str) -> None:
     """training.init given as a path: a speculators checkpoint (config + weights) of the run's draft architecture,
     checked before any load."""
     p = Path(path)
@@ -35,33 +36,6 @@ def warm_start_weights(draft: Path) -> Path:
             chosen = epochs / str(delivered["epoch"]) if delivered else None
             return chosen if chosen and (chosen / "model.safetensors").is_file() else last_checkpoint(epochs)
     return draft
-
-
-LINEAGE_FILE = "lineage.json"  # in a draft_ckpt artifact: every prompt the draft and its warm-start ancestors saw
-
-
-def write_lineage(draft: Path, train_file: Path, init: Path | None, rows: list[str] | None = None) -> dict:
-    """Record the prompts a draft trained on, with those of the draft it was warm-started from: what a later run
-    checks against its held-out prompts. An ancestor without a record leaves the lineage unknown. rows: the row
-    keys of its states (what a later warm start's replay counts as seen)."""
-    from eaglet.data import prompt_digests
-
-    parent = read_lineage(init) if init else {"known": True, "prompts": [], "drafts": []}
-    known = parent is not None and parent["known"]
-    record = {"known": known, "drafts": ([init.name] + parent["drafts"]) if init and parent else [],
-              "prompts": sorted(prompt_digests(train_file) | set(parent["prompts"] if parent else []))}
-    if rows is not None:
-        from eaglet.train.replay import seen_rows
-
-        record["rows"] = sorted(set(rows) | (seen_rows(init) if init else set()))
-    (draft / LINEAGE_FILE).write_text(json.dumps(record))
-    return record
-
-
-def read_lineage(draft: Path) -> dict | None:
-    """{"known", "drafts", "prompts"} of a draft eaglet trained (None: no record, e.g. a draft made elsewhere)."""
-    path = draft / LINEAGE_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def warm_start_decision(candidate: Path | None, held_out: set[str], explicit: bool) -> dict:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from eaglet.errors import EagletError
 from eaglet.vllm.process import stop_group
+from eaglet.vllm.worker import PROGRESS
 
 log = logging.getLogger("eaglet.vllm")
 
@@ -61,8 +62,6 @@ def run_job(job: dict, timeout: float | None = None, progress=None, env: dict[st
             module: str = "eaglet.vllm.worker") -> dict:
     """progress(done, total, tokens_per_s): called after each chunk of work the child finished. env: set on top
     of vllm_env() for the child. module: the child's `python -m` module (eaglet.vllm.worker.serve's protocol)."""
-    from eaglet.vllm.worker import PROGRESS
-
     with tempfile.TemporaryDirectory(prefix="eaglet-vllm-") as tmp:
         job = dict(job, out=str(Path(tmp) / "result.json"))
         job_file = Path(tmp) / "job.json"

@@ -5,7 +5,7 @@ process. A job is a JSON file; the result is written to job["out"] as JSON.
 
 Modes:
   generate: answer conversations with the verifier (regeneration).
-  decode:   generate greedily on prompts, optionally with an EAGLE-3 draft, and read the spec-decode counters.
+  decode:   generate greedily on prompts, optionally with a draft (job["method"]), and read the spec-decode counters.
 Options: "chunk" (conversations per generate call), "warmup" (one short generation first), "batch1" (then
 time the first N conversations one at a time).
 """
@@ -17,6 +17,8 @@ import json
 import os
 import sys
 import time
+
+from eaglet.data import row_digest  # a conversation's identity, as the data stage keys it
 
 PROGRESS = "eaglet-progress:"
 
@@ -34,7 +36,7 @@ def _engine(job: dict):
     )
     if job.get("draft"):
         kwargs["speculative_config"] = {
-            "method": job.get("method", "eagle3"),  # never let vLLM guess it from the directory name
+            "method": job["method"],  # never let vLLM guess it from the directory name
             "model": job["draft"],
             "num_speculative_tokens": job["k"],
         }
@@ -68,8 +70,6 @@ def request_seeds(job: dict) -> list[int | None]:
 
 
 def conversation_seed(seed: int, conversation: list[dict]) -> int:
-    from eaglet.data import row_digest  # the conversation's identity, as the data stage keys it
-
     text = f"{seed}/{row_digest(conversation)}"
     return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) & 0x3FFFFFFF  # room for seed + i below 2**31
 

@@ -1,76 +1,18 @@
-"""DFlash (speculators `dflash`, vLLM `dflash`): block diffusion. The draft reads the verifier's aux states (the
-same layers and the same captured rows as EAGLE-3) and fills a block of dflash.block_size positions, an anchor and
-block_size-1 mask tokens, in one forward with bidirectional attention inside the block; vLLM drafts
-block_size-1 tokens per step. Its layers are Qwen3-style (q/k norms) whatever the verifier is; vLLM 0.32 accepts a
-Llama verifier (docs/dflash.md).
-
-vLLM reads speculators' checkpoint directly (`speculators_model_type`, `transformer_layer_config`), so the export
-is that checkpoint as it is, checked: there is no flat form. What vLLM 0.32 would fail on or silently mis-serve is
-in `validate`, each hazard by name."""
+"""Every hazard of a DFlash draft that vLLM 0.32's DFlash loader would fail on or silently mis-serve, each by
+name, found without starting vLLM (docs/dflash.md lists them)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from eaglet.convert import Report, read_config, tensor_meta, write_json
+from eaglet.drafts.base import ValidationReport
+from eaglet.drafts.checkpoint import read_config, tensor_meta
 from eaglet.errors import EagletError
-from eaglet.store import link_or_copy
 from eaglet.verifier import read_config_dict, text_config_of
-
-METHOD = "dflash"
-DEFAULT_LOSS = "ce"  # speculators' for dflash; its dpace position weighting requires it
-flatten_refusal = ("a DFlash draft has no flat form: vLLM loads speculators' checkpoint directory as it is (method "
-                   "dflash), so serve or `eaglet validate` the directory itself")
-
-
-def default_k(dflash) -> int:
-    return dflash.block_size - 1  # the anchor is known: a block drafts the positions after it
-
-
-def speculators_args(draft, training, dflash) -> list[str]:
-    args = ["--speculator-type", "dflash",
-            "--block-size", str(dflash.block_size),
-            "--max-anchors", str(dflash.max_anchors),
-            "--per-position-loss-weight", {"dpace": "dpace", "exp_decay": "fixed-exp-decay"}[dflash.position_weight],
-            "--dflash-decay-gamma", str(dflash.decay_gamma)]
-    if dflash.mask_token_id is not None:
-        args += ["--mask-token-id", str(dflash.mask_token_id)]
-    return args
-
-
-def shape_args(draft, dflash) -> list[str]:
-    # Every layer full attention, bidirectional: vLLM's V1 runner refuses a mix of sliding and full layers, and
-    # serves all layers causal unless sliding_window_non_causal is set (speculators trains full layers
-    # bidirectionally either way).
-    return ["--num-layers", str(dflash.num_layers), "--draft-arch", "qwen3",
-            "--full-attention-indices", *[str(i) for i in range(dflash.num_layers)], "--sliding-window-non-causal"]
-
-
-def score(val_metrics: dict) -> float | None:
-    """speculators' `eal`: per block, the run of right positions after the anchor plus the verifier's bonus token,
-    which is what vLLM's mean acceptance length measures (1 + accepted / drafts)."""
-    return next((v for k, v in val_metrics.items() if k == "eal" or k.startswith("eal_")), None)
-
-
-def simulate(epoch_dir: Path, argv: list[str], out: Path, stream: dict | None) -> None:
-    return None  # speculators' eal is already what a block decodes; eaglet's simulator is EAGLE-3's chain
-
-
-def export(ckpt_dir: Path, out: Path, verifier: str, e) -> None:
-    """The delivered checkpoint's config and weights (hard links where possible), the verifier id replaced by
-    export.serving_id; checked as vLLM would load it."""
-    cfg = read_config(ckpt_dir)
-    if e.serving_id:  # the training machine's path means nothing where the draft is served
-        spec = cfg["speculators_config"]
-        cfg = {**cfg, "speculators_config": {**spec, "verifier": {**spec["verifier"], "name_or_path": e.serving_id}}}
-    write_json(out / "config.json", cfg)
-    link_or_copy(ckpt_dir / "model.safetensors", out / "model.safetensors")
-    validate(out, verifier).raise_problems(out)
+from eaglet.verifier.devices import on_accelerator
 
 
 def _on_cpu_vllm() -> bool:
-    from eaglet.devices import on_accelerator
-
     return not on_accelerator()
 
 
@@ -93,11 +35,11 @@ def expected_shapes(cfg: dict, layer: dict, n_aux: int) -> dict[str, list[int]]:
     return shapes
 
 
-def validate(draft: Path, verifier: str, cpu_vllm: bool | None = None) -> Report:
+def validate(draft: Path, verifier: str, cpu_vllm: bool | None = None) -> ValidationReport:
     """Check a DFlash draft directory against vLLM 0.32's DFlash loader and the verifier, without starting vLLM.
     cpu_vllm: whether vLLM here runs on the CPU (default: no accelerator visible)."""
     draft = Path(draft)
-    r = Report()
+    r = ValidationReport()
     P, W = r.problems.append, r.warnings.append
     cfg = read_config(draft)
     kind = cfg.get("speculators_model_type")

@@ -44,7 +44,7 @@ def text_config_of(cfg: dict) -> dict:
     return cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
 
 
-def weight_files(path: Path) -> list[Path]:
+def verifier_weight_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
@@ -95,7 +95,7 @@ def fingerprint_verifier(path: Path) -> str:
         if f.is_file():
             h.update(name.encode())
             h.update(f.read_bytes())
-    for f in weight_files(path):
+    for f in verifier_weight_files(path):
         _safetensors_identity(f, h)
     return h.hexdigest()[:16]
 
@@ -111,7 +111,7 @@ def resolve_verifier(path: str | Path, aux_layer_ids: list[int] | None = None, t
             f"verifier {path} needs its own modelling code (auto_map in config.json); "
             "set verifier.trust_remote_code=true if you trust it"
         )
-    weight_files(path)
+    verifier_weight_files(path)
     text = text_config_of(cfg)
     try:
         num_layers = int(text["num_hidden_layers"])
@@ -146,16 +146,9 @@ def resolve_verifier(path: str | Path, aux_layer_ids: list[int] | None = None, t
     )
 
 
-def check_run(info: VerifierInfo, cfg) -> None:
-    """Every check of a run's parameters that needs the verifier's shape (or the devices), before weights load:
-    the draft vocabulary, a warm start's directory, a reference draft, and a served endpoint (which must serve this
-    verifier with the run's layers; eaglet.capture.engine.attach)."""
-    from eaglet.convert import check_reference, read_reference
-    from eaglet.train import check_init_dir
-    from eaglet.vocab import check_draft_vocab_size
-
-    check_draft_vocab_size(cfg.draft.draft_vocab_size, info.vocab_size)
-    if cfg.training.init not in ("scratch", "previous"):
-        check_init_dir(cfg.training.init, cfg.draft.architecture)
-    if cfg.draft.like:
-        check_reference(read_reference(cfg.draft.like), info.hidden_size, info.vocab_size, cfg.draft.like)
+def check_draft_vocab_size(draft_vocab_size: int, vocab_size: int) -> None:
+    if draft_vocab_size > vocab_size:
+        raise EagletError(
+            f"draft.draft_vocab_size={draft_vocab_size} is larger than the verifier's vocabulary ({vocab_size}); "
+            f"use at most {vocab_size}"
+        )

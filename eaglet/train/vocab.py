@@ -10,15 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
+from eaglet.capture.shards import token_freq
 from eaglet.errors import EagletError
-
-
-def check_draft_vocab_size(draft_vocab_size: int, vocab_size: int) -> None:
-    if draft_vocab_size > vocab_size:
-        raise EagletError(
-            f"draft.draft_vocab_size={draft_vocab_size} is larger than the verifier's vocabulary ({vocab_size}); "
-            f"use at most {vocab_size}"
-        )
+from eaglet.verifier import check_draft_vocab_size
+from eaglet.train.warm_start import warm_start_weights
 
 
 def build_vocab_mapping(token_freq: dict[int, int], draft_vocab_size: int, vocab_size: int, out: Path) -> dict:
@@ -61,9 +56,6 @@ def build_for_run(states_dir: Path, draft_vocab_size: int, verifier_vocab_size: 
                   init: Path | None = None) -> dict:
     """A run's draft vocabulary in `out`: the most frequent tokens of its captured rows, or, for a warm start, the
     mapping of the draft it continues (its weights are indexed by it), with this run's coverage."""
-    from eaglet.capture.shards import token_freq
-    from eaglet.train import warm_start_weights
-
     freq = token_freq(states_dir)
     if init is not None:
         return kept_vocab_mapping(warm_start_weights(init), freq, draft_vocab_size, out)

