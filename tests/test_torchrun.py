@@ -4,6 +4,7 @@ flag, and a real torchrun of 2 ranks that reach speculators' distributed set-up 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -12,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from eaglet.config import RunConfig
-from eaglet.verifier.devices import visible_accelerators
 from eaglet import drafts
 from eaglet.train.launch import speculators_argv, torchrun_argv, torchrun_command, torchrun_env, train_draft
 from eaglet.train.metrics import follow_metrics, metrics_end
@@ -24,11 +24,23 @@ def test_torchrun_command_runs_one_eaglet_rank_per_gpu(tmp_path):
                    "-m", "eaglet.train.rank", str(tmp_path / "argv.json"), str(tmp_path / "metrics.jsonl")]
     assert torchrun_argv(["--epochs", "3"]) == ["--epochs", "3", "--fsdp-shard"]
     assert torchrun_argv(["--fsdp-shard"]) == ["--fsdp-shard"]
-    assert int(torchrun_env(2)["OMP_NUM_THREADS"]) >= 1
 
 
-def test_cpu_trains_in_process():
-    assert visible_accelerators() == 0  # no GPU: the default is one process, no torchrun
+def test_the_ranks_share_the_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert torchrun_env(2)["OMP_NUM_THREADS"] == "8"
+
+
+def test_more_than_one_visible_gpu_trains_under_torchrun(monkeypatch, tmp_path):
+    """The launcher's choice, whatever this machine has: one rank per visible GPU from two on."""
+    import eaglet.train.launch as launch
+
+    calls = []
+    monkeypatch.setattr(launch, "visible_accelerators", lambda: 4)
+    monkeypatch.setattr(launch, "_train_with_torchrun", lambda argv, m, on, nproc, stream: calls.append(nproc))
+    train_draft(["--save-path", str(tmp_path)], tmp_path / "metrics.jsonl")
+    assert calls == [4]
 
 
 @pytest.mark.e2e  # two ranks of speculators under torchrun
