@@ -15,6 +15,11 @@ from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, Validatio
 from eaglet.errors import EagletError
 
 
+# training.cpu_dtype=auto trains in bf16 where a bf16 matmul runs at least this many times float32's speed: well
+# between the CPU kinds measured (docs/results.md), so timing noise does not flip the choice.
+BF16_MIN_SPEEDUP = 1.5
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -180,9 +185,8 @@ class TrainingParams(_Section):
         "this fraction of the rows it did (the same rows every time, chosen by row key). 1: every row.")
     cpu_dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="Compute dtype when training on CPU (GPUs always use bfloat16). auto: bfloat16 where this "
-        "CPU's bf16 matmuls are measured at 1.5x float32's speed or more (AMX, or native AVX-512 BF16 as on Zen 4: "
-        "3 demo epochs 1.59x faster, same acceptance), float32 elsewhere (without such units bf16 runs at about half "
-        "float32's speed)."
+        f"CPU's bf16 matmuls are measured at {BF16_MIN_SPEEDUP}x float32's speed or more (AMX, or native AVX-512 "
+        "BF16), float32 elsewhere (without such units bf16 is slower than float32; docs/results.md)."
     )
     loss: str | dict[str, float] | None = Field(
         None, description="Empty: the architecture's (eagle3 kl_div, dflash ce). speculators' loss: kl_div (to the "

@@ -76,7 +76,7 @@ def test_trained_draft_beats_untrained(e2e_run, tiny_verifier, session_dir):
     flat = untrained / "flat"
     flatten(save, flat, str(tiny_verifier))
     prompts = load_prompts(Path(e2e_run["report"]["artifacts"]["data"]) / "eval.jsonl", 16)
-    base = smoke_test(str(tiny_verifier), str(flat), prompts, k=3, max_tokens=48,
+    base = smoke_test(str(tiny_verifier), str(flat), prompts, method="eagle3", k=3, max_tokens=48,
                       baseline=read_baseline(e2e_run["report"]["artifacts"]["baseline"]))
     trained = e2e_run["report"]["smoke"]["mean_acceptance_length"]
     assert base.lossless

@@ -45,7 +45,7 @@ def cpu_patches():
     - speculators.train.checkpointer.get_current_device() falls back to "cuda:0" when resuming.
     - torch.accelerator.synchronize() raises when there is no accelerator (used by the step timer).
     - Trainer.device_type falls back to "cuda", so `torch.autocast` is silently disabled on CPU; with
-      "cpu" it autocasts to --hidden-states-dtype (bf16: 1.55x float32's tokens/s with AMX; see `cpu_dtype`).
+      "cpu" it autocasts to --hidden-states-dtype (faster in bf16 where `cpu_dtype` chooses it).
     Not a fix but a CPU speed-up: the draft's attention skips the keys its packed TTT mask excludes
     (eaglet.train.ttt_attention).
     """

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from eaglet.config import RunConfig, TrainingParams, loss_spec
+from eaglet.config import BF16_MIN_SPEEDUP, RunConfig, TrainingParams, loss_spec
 from eaglet.drafts.base import DraftArchitecture
 from eaglet.verifier import read_config_dict, text_config_of
 from eaglet.verifier.devices import on_accelerator, visible_accelerators
@@ -50,12 +50,6 @@ def bf16_matmul_speedup() -> float:
     return best[torch.float32] / best[torch.bfloat16]
 
 
-# bf16 training where a bf16 matmul runs at least this many times float32's speed. Measured: a 2-core Zen 4 EPYC
-# (native AVX-512 BF16) 2.1-3.1x in four processes, where 3 demo epochs trained 1.59x faster in bf16 (488 s against
-# 778 s, acceptance 1.642 against 1.639); a 2-core Xeon with AVX-512 BF16 but no AMX 0.55x on a larger matmul (844 s
-# bf16 against 620 s float32); a Zen 3 EPYC has no AVX-512 at all. 1.5 lies well between the kinds measured, so
-# timing noise does not flip the choice.
-BF16_MIN_SPEEDUP = 1.5
 
 
 def cpu_dtype(setting: str) -> str:
