@@ -135,7 +135,7 @@ def stages(home: Path, verifier_path: str, conversations_dir: str, data_dir: str
     from prefect import flow
 
     from bench import datapass
-    from eaglet.capture.hf_forward import load_verifier, resolve_device
+    from eaglet.capture.hf_forward import load_hf_model, resolve_device
     from eaglet.verifier import resolve_verifier
     from tasks import stages as t
 
@@ -156,7 +156,7 @@ def stages(home: Path, verifier_path: str, conversations_dir: str, data_dir: str
             states = t.extract_hidden_states.with_options(refresh_cache=True)(info, conversations_dir, cfg)
             stats = json.loads((Path(states) / "stats.json").read_text())
             extraction["pipeline_tokens_per_s"].append(stats["tokens_per_s"])
-            bare_model = load_verifier(verifier_path, resolve_device(cfg.extraction.device))
+            bare_model = load_hf_model(verifier_path, resolve_device(cfg.extraction.device))
             extraction["bare_tokens_per_s"].append(bare_forward_tokens_per_s(
                 verifier_path, conv_file, cfg.data.max_seq_len, cfg.extraction.batch_size, bare_model))
             del bare_model

@@ -47,11 +47,11 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
     with _Ledger() as run, RunEngines() as engines:
         # Cheap checks before anything loads weights (the embedded verifier's conversion does).
         if params.draft.like:
-            params = run("read-reference", stages.read_reference, params)
+            params = run("read-reference", stages.apply_reference, params)
         data_dir = run("prepare-data", stages.prepare_data, params.data.path or str(DEFAULT_PROMPTS), params)
         verifier_path = params.verifier.path or run("convert-embedded-verifier", stages.convert_embedded_verifier,
                                                     params.verifier.aux_layer_ids, params.draft.draft_vocab_size)
-        verifier = run("resolve-verifier", stages.resolve_verifier, verifier_path, params)
+        verifier = run("resolve-verifier", stages.resolve_run_verifier, verifier_path, params)
         artifacts = {"data": data_dir}
 
         # The data pass: the verifier answers the training prompts and its hidden states are captured.
@@ -97,7 +97,7 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
         smoke = None
         if params.smoke.enabled:
             artifacts["baseline"] = run("verifier-baseline", stages.verifier_baseline, verifier, data_dir, params)
-            smoke = run("smoke-test", stages.smoke_test, verifier, draft_dir, data_dir, artifacts["baseline"], params)
+            smoke = run("smoke-test", stages.smoke_test_run, verifier, draft_dir, data_dir, artifacts["baseline"], params)
 
         artifacts |= {"hidden_states": states_dir, "vocab": vocab_dir, "checkpoint": ckpt_dir, "draft": draft_dir}
         report = report_and_promote(str(Path(output_dir).resolve()), params, verifier, run.timings, artifacts, smoke,

@@ -15,7 +15,7 @@ from eaglet.capture import engine as engines, hf, regenerate, rows, vllm as capt
 from eaglet.config import RunConfig
 from eaglet.errors import EagletError
 from eaglet.train import draft as training, vocab, warm_start
-from eaglet.verifier import VerifierInfo, embedded, resolve_verifier as resolve
+from eaglet.verifier import VerifierInfo, embedded, resolve_verifier
 from tasks.cache import ArtifactKey
 from tasks.progress import with_progress as _progress
 
@@ -45,17 +45,17 @@ def convert_embedded_verifier(aux_layer_ids: list[int] | None, draft_vocab_size:
 
 
 @task(name="read-reference")
-def read_reference(cfg: RunConfig) -> RunConfig:
+def apply_reference(cfg: RunConfig) -> RunConfig:
     """draft.like: take the reference draft's shape-fixing settings (draft vocab, aux ids, input norm)."""
     return drafts.for_run(cfg).apply_reference(cfg)
 
 
 @task(name="resolve-verifier")
-def resolve_verifier(path: str, cfg: RunConfig) -> VerifierInfo:
+def resolve_run_verifier(path: str, cfg: RunConfig) -> VerifierInfo:
     """The verifier's identity and shape, and every check that needs it (or the devices), before weights load."""
     capture.run_backend(cfg)  # an impossible backend / device / GPU count fails here, before any load
     smoke.check_load_format(cfg.smoke.load_format)
-    info = resolve(path, cfg.verifier.aux_layer_ids, cfg.verifier.trust_remote_code)
+    info = resolve_verifier(path, cfg.verifier.aux_layer_ids, cfg.verifier.trust_remote_code)
     if cfg.verifier.endpoint:
         engines.attach_for_run(info, cfg)  # a wrong or unreachable endpoint is refused here, before any work
     drafts.check_run(info, cfg)
@@ -268,7 +268,7 @@ def verifier_baseline(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> 
 
 @task(name="smoke-test", cache_policy=ArtifactKey("smoke", keys.smoke_key, artifact=False), persist_result=True,
       **VLLM_RETRY)
-def smoke_test(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseline_dir: str, cfg: RunConfig) -> dict:
+def smoke_test_run(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseline_dir: str, cfg: RunConfig) -> dict:
     """One vLLM engine: the verifier with the draft, compared with the kept baseline (lossless, tokens/s)."""
     arch = drafts.for_run(cfg)
     with store.in_use(baseline_dir):

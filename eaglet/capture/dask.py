@@ -13,7 +13,7 @@ directory (a shared filesystem across machines).
 from __future__ import annotations
 
 from pathlib import Path
-from eaglet.capture.hf_forward import load_verifier
+from eaglet.capture.hf_forward import load_hf_model
 from eaglet.capture.hf_forward import extract_batch, resolve_device
 from eaglet.capture.shards import write_shard
 from eaglet.capture import hf_forward
@@ -24,7 +24,7 @@ _MODELS: dict[tuple, object] = {}  # per worker process: (path, device) -> the l
 def _verifier(path: str, device: str, trust_remote_code: bool):
     key = (path, device)
     if key not in _MODELS:
-        _MODELS[key] = load_verifier(path, device, trust_remote_code)
+        _MODELS[key] = load_hf_model(path, device, trust_remote_code)
     return _MODELS[key]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from eaglet.capture.hf_forward import extract_batch, load_verifier, release_memory, resolve_device
+from eaglet.capture.hf_forward import extract_batch, load_hf_model, release_memory, resolve_device
 from eaglet.capture.shards import bytes_per_token, finish, get_text_hidden_size, shards_left, write_shard
 from eaglet.data import read_conversations, tokenize_conversations
 from eaglet.capture.dask import extract_shards
@@ -60,7 +60,7 @@ def extract_hidden_states(
     model, load_seconds = None, 0.0
     for count, n in enumerate(todo, 1):
         if model is None:
-            model = load_verifier(verifier_path, resolve_device(device), trust_remote_code)
+            model = load_hf_model(verifier_path, resolve_device(device), trust_remote_code)
             load_seconds = time.perf_counter() - t0
             t0 = time.perf_counter()  # tokens/s measures extraction, not the load
         idx = shards[n]

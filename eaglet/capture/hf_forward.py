@@ -20,7 +20,7 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def load_verifier(path: str, device: str, trust_remote_code: bool = False):
+def load_hf_model(path: str, device: str, trust_remote_code: bool = False):
     global VERIFIER_LOADS
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
