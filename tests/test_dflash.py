@@ -14,7 +14,8 @@ from eaglet.config import DFlashParams, DraftParams, RunConfig
 from eaglet import drafts
 from eaglet.drafts import of_checkpoint
 from eaglet.drafts.dflash.validate import validate as dflash_validate
-from eaglet.train.launch import argv_value, argv_values, speculators_argv
+from eaglet.train.argv import argv_value, argv_values
+from eaglet.train.launch import speculators_argv
 from tests.conftest import run_cli
 
 

@@ -14,7 +14,8 @@ from eaglet import drafts, keys
 from eaglet.config import ExportParams, RunConfig, load_config
 from eaglet.drafts.checkpoint import read_config, write_json
 from eaglet.errors import EagletError
-from eaglet.train.launch import argv_value, speculators_argv
+from eaglet.train.argv import argv_value
+from eaglet.train.launch import speculators_argv
 from eaglet.verifier import VerifierInfo
 
 

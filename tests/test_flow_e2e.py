@@ -225,7 +225,7 @@ def test_unchanged_night_loads_nothing_and_the_gate_fails_it(nightly, tmp_path):
     r = json.loads((nightly["out"] / "report.json").read_text())
     assert r["verifier_loads"] == 0 and r["engine_loads"] == {"data": 0, "smoke": 0}
     assert "load-verifier" not in r["tasks"]
-    unkeyed = ("resolve-verifier", "plan-capture", "validate-draft", "find-warm-start", "read-reference")
+    unkeyed = ("resolve-verifier", "plan-capture", "plan-training", "validate-draft", "find-warm-start", "read-reference")
     assert all(t["state"] == "Cached" for name, t in r["tasks"].items() if name not in unkeyed), r["tasks"]
     assert r["extraction"]["rows_computed"] == len(NEW_PROMPTS)  # the cached dataset's own record
     assert r["gate_failure"] and not r["promotion"]["promoted"]

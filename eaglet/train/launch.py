@@ -24,6 +24,7 @@ from eaglet.config import BF16_MIN_SPEEDUP, RunConfig, TrainingParams, loss_spec
 from eaglet.drafts.base import DraftArchitecture
 from eaglet.verifier import read_config_dict, text_config_of
 from eaglet.verifier.devices import on_accelerator, visible_accelerators
+from eaglet.train.argv import argv_value
 from eaglet.train.cpu import cpu_patches, float32_muon, keep_log_handlers, lossless_checkpoints
 from eaglet.train.metrics import MetricsRecorder, follow_metrics, metrics_end
 from eaglet.train.stream import from_engine
@@ -141,17 +142,6 @@ def _any_special_token_id(verifier_path: str) -> int:
         if value is not None:
             return int(value)
     return 0
-
-
-def argv_values(argv: list[str], flag: str) -> list[str]:
-    """The values after `flag` in a speculators argv (up to the next flag)."""
-    i = argv.index(flag) + 1
-    j = next((k for k in range(i, len(argv)) if argv[k].startswith("--")), len(argv))
-    return argv[i:j]
-
-
-def argv_value(argv: list[str], flag: str) -> str:
-    return argv_values(argv, flag)[0]
 
 
 def torchrun_command(argv_file: Path, metrics_file: Path | None, nproc: int) -> list[str]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from eaglet.train.launch import argv_value, argv_values
+from eaglet.train.argv import argv_value, argv_values
 from eaglet.train.stream import StoredDtypeTransfer
 
 
