@@ -171,7 +171,6 @@ def main() -> int:
     summary["training"] = {"ranks": max(1, visible_accelerators()), "argv": argv}
     step("training (speculators)", lambda: train_draft(argv, ckpt / "metrics.jsonl"))
     write_final_draft(last_checkpoint(ckpt / "checkpoints"), ckpt)
-    draft.rmdir()  # the export writes a new directory
     step("export", lambda: arch.export(ckpt, draft, str(verifier), cfg.export))
     summary["validation_warnings"] = arch.validate(draft, str(verifier)).warnings
     smoke = step("vLLM smoke-load", lambda: smoke_test(str(verifier), str(draft), load_prompts(out / "eval.jsonl"),
