@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # Tasks without a content key: they run (cheaply) on every run, cached or not.
-UNKEYED = ("resolve-verifier", "plan-capture", "find-warm-start", "validate-draft")
+UNKEYED = ("resolve-verifier", "plan-capture", "plan-training", "find-warm-start", "validate-draft")
 
 
 def _median(xs: list[float]) -> float:
