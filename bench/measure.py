@@ -194,7 +194,7 @@ def training_pairs(home: Path, tag: str, info, cfg, states: str, vocab: str, rep
     """`repeats` pairs, interleaved (pipeline, direct, pipeline, ...), each run in a fresh process. data_dir: the
     conversations the states were extracted from (train-draft records their prompts as the draft's lineage)."""
     from bench.steps import profile
-    from eaglet import drafts
+    from eaglet.drafts import registry
     from eaglet.train.launch import speculators_argv
 
     pipeline, direct = [], []
@@ -204,7 +204,7 @@ def training_pairs(home: Path, tag: str, info, cfg, states: str, vocab: str, rep
                           home / f"pipeline{tag}{r}")
         pipeline.append(profile(run, warm_steps))
         run = _train_once("direct", {"argv": speculators_argv(
-            drafts.for_run(cfg), cfg, info.path, Path(states), Path(vocab), home / f"direct{tag}{r}" / "checkpoints",
+            registry.for_run(cfg), cfg, info.path, Path(states), Path(vocab), home / f"direct{tag}{r}" / "checkpoints",
             info.aux_layer_ids)}, home / f"direct{tag}{r}")
         direct.append(profile(run, warm_steps))
     if any(p["tokens"] != d["tokens"] for p, d in zip(pipeline, direct)):
@@ -257,7 +257,7 @@ def decoding(verifier_path: str, draft: str, prompts: list, ks: list[int], max_t
     batch1["prompts"] prompts one at a time, alternating alone / draft, batch1["repeats"] of each.
     batched_in_pair (the `check` preset, ks == batch1["ks"] == [k]): the batched rows from the batch-1 pair's two
     engines (bench.decode_pair's "batched"), after its passes, instead of two more engines started for them."""
-    from eaglet.drafts import of_checkpoint
+    from eaglet.drafts.registry import of_checkpoint
     from eaglet.vllm import run_job
 
     method = of_checkpoint(draft).method  # the draft's config says which architecture it is

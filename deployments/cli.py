@@ -17,12 +17,13 @@ from pathlib import Path
 
 from deployments import stack
 from deployments.stack import prefect_defaults
-from eaglet import drafts, store
+from eaglet import store
 from eaglet.capture import resolve_backend
 from eaglet.capture.engine import (capture_layers, engine_dtype, start_engine, started_engine_max_model_len,
                                    stop_engine)
 from eaglet.capture.rows import ROW_KIND, STREAMED_KIND, view_rows
 from eaglet.config import ExportParams, RunConfig, load_config
+from eaglet.drafts import registry
 from eaglet.errors import EagletError
 from eaglet.keys import embedded_key
 from eaglet.smoke import load_prompts, smoke_test
@@ -55,7 +56,7 @@ def _quiet_user_errors() -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     params = load_config(args.config, args.set)  # invalid parameters fail here, before Prefect starts
-    drafts.for_run(params)  # and settings that do not fit the draft architecture
+    registry.for_run(params)  # and settings that do not fit the draft architecture
     _prefect_env()
     from flows.train_eagle3 import train_eagle3  # imports Prefect, which reads its settings at import: set first
 
@@ -75,7 +76,7 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     prompts = load_prompts(args.prompts, args.num_prompts)  # a bad prompts file fails before anything loads
     draft = Path(args.draft)
-    arch = drafts.of_checkpoint(draft)
+    arch = registry.of_checkpoint(draft)
     arch.check_before_serving(draft, args.verifier)  # vLLM reports none of these problems
     result = smoke_test(args.verifier, args.draft, prompts, method=arch.method, k=args.k, max_tokens=args.max_tokens,
                         dtype=args.dtype)
@@ -86,9 +87,9 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     return 0
 
 
-def _with_flat_form(src: Path) -> drafts.DraftArchitecture:
+def _with_flat_form(src: Path) -> registry.DraftArchitecture:
     """The draft's architecture, if it has a flat form (an architecture vLLM loads as it is refuses here)."""
-    arch = drafts.of_checkpoint(src)
+    arch = registry.of_checkpoint(src)
     if arch.flatten_refusal:
         raise EagletError(f"{src}: {arch.flatten_refusal}")
     return arch
@@ -116,7 +117,7 @@ def cmd_unflatten(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    found = drafts.of_checkpoint(args.draft).validate(Path(args.draft), args.verifier)
+    found = registry.of_checkpoint(args.draft).validate(Path(args.draft), args.verifier)
     for w in found.warnings:
         print(f"warning: {w}")
     for p in found.problems:

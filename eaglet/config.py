@@ -122,7 +122,7 @@ class ExtractionParams(_Section):
 class DraftParams(_Section):
     architecture: str = Field(
         "eagle3", pattern=r"^[a-z0-9_]+$",
-        description="The draft speculators trains and vLLM serves, one of eaglet.drafts.ARCHITECTURES: eagle3, one layer that "
+        description="The draft speculators trains and vLLM serves, one of eaglet.drafts.registry.ARCHITECTURES: eagle3, one layer that "
         "proposes k tokens one after another; dflash, block diffusion, a whole block of tokens in one forward (its "
         "own settings: the dflash section). Both read the same captured rows.")
     draft_vocab_size: int = Field(4096, ge=16, le=1_048_576, description="Tokens the draft can propose (top by frequency).")

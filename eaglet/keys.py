@@ -8,13 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import eaglet
-from eaglet import drafts, store
+from eaglet import store
 from eaglet.capture import CAPTURE_VERSIONS
 from eaglet.capture.engine import capture_engine_dtype
 from eaglet.capture.rows import view_rows
 from eaglet.capture.vllm import run_capture_settings
 from eaglet.config import RunConfig
 from eaglet.data import row_digest, split_run_rows
+from eaglet.drafts import registry
 from eaglet.report.history import comparison_key as history_comparison_key
 from eaglet.smoke import held_out_prompts, machine_kind, smoke_max_model_len
 from eaglet.train.launch import cpu_dtype
@@ -91,12 +92,12 @@ def states_identity(states_dir: str) -> str:
 
 def draft_settings(cfg: RunConfig) -> dict:
     """The draft's settings as keys see them: the architecture's say (DraftArchitecture.key_settings)."""
-    return drafts.get(cfg.draft.architecture).key_settings(cfg)
+    return registry.get(cfg.draft.architecture).key_settings(cfg)
 
 
 def draft_shape(verifier: VerifierInfo, cfg: RunConfig) -> str:
     """What a warm start must share with the draft it continues: verifier, layers it reads, draft settings."""
-    like = drafts.get(cfg.draft.architecture).reference(cfg)
+    like = registry.get(cfg.draft.architecture).reference(cfg)
     return store.digest({"verifier": verifier.fingerprint, "aux": verifier.aux_layer_ids, "like": like,
                          "draft": draft_settings(cfg)})
 
@@ -124,7 +125,7 @@ def training_key(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_d
     from importlib.metadata import version
 
 
-    arch = drafts.get(cfg.draft.architecture)
+    arch = registry.get(cfg.draft.architecture)
     like = arch.reference(cfg)  # its content, not its path
     training = run_training(init_dir, cfg.training)
     warm = {"init", "warm_epochs", "warm_lr_fraction", "warm_warmup_steps", "warm_replay_fraction"}
@@ -139,11 +140,11 @@ def training_key(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_d
 
 def export_kind(verifier: VerifierInfo, ckpt_dir: str, cfg: RunConfig) -> str:
     """The store kind of what vLLM loads: the architecture's (an EAGLE-3 draft's flat form: draft_flat)."""
-    return drafts.get(cfg.draft.architecture).export_kind
+    return registry.get(cfg.draft.architecture).export_kind
 
 
 def export_key(verifier: VerifierInfo, ckpt_dir: str, cfg: RunConfig) -> str:
-    arch = drafts.get(cfg.draft.architecture)
+    arch = registry.get(cfg.draft.architecture)
     return _key(arch.export_kind, ckpt=Path(ckpt_dir).name, export=cfg.export.model_dump(),
                 convert=arch.export_version)
 
@@ -167,11 +168,11 @@ def smoke_key(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseline_di
                 prompts=held_out_digest(data_dir, cfg),
                 baseline=Path(baseline_dir).name,
                 smoke=cfg.smoke.model_dump(exclude={"min_acceptance"})
-                | {"num_speculative_tokens": drafts.get(cfg.draft.architecture).k(cfg)})
+                | {"num_speculative_tokens": registry.get(cfg.draft.architecture).k(cfg)})
 
 
 def comparison_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
     """Which acceptance figures compare (eaglet.report.history): same verifier, held-out prompts, smoke settings."""
     s = cfg.smoke
     return history_comparison_key(verifier.fingerprint, held_out_prompts(data_dir, cfg),
-                                  drafts.get(cfg.draft.architecture).k(cfg), s.max_tokens, s.dtype)
+                                  registry.get(cfg.draft.architecture).k(cfg), s.max_tokens, s.dtype)

@@ -63,6 +63,12 @@ def is_published(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
+def holds(kind: str, key: str, root: Path | None = None) -> bool:
+    """Whether the store holds this artifact whole: published, and every file its manifest lists there."""
+    path = artifact_path(kind, key, root)
+    return is_published(path) and intact(path)
+
+
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -167,7 +173,7 @@ def publish(kind: str, key: str, build: Callable[[Path], dict[str, str] | None],
     records): the manifest takes those instead of reading the files again, which at Kimi-K2.5 scale (56 KiB of
     hidden states per token) would cost as much I/O as writing them."""
     final = artifact_path(kind, key, root)
-    if is_published(final) and intact(final):
+    if holds(kind, key, root):
         touch_used(final)
         return final
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -106,8 +106,8 @@ def main() -> int:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))  # whatever finished, if a later step dies
         return result
 
-    from eaglet import drafts
     from eaglet.config import RunConfig
+    from eaglet.drafts import registry
     from eaglet.data import DEFAULT_PROMPTS, read_conversations, write_conversations
     from eaglet.capture.engine import capture_layers, start_engine, stop_engine
     from eaglet.capture.hf import extract_hidden_states
@@ -166,7 +166,7 @@ def main() -> int:
     cfg = RunConfig.model_validate({"training": {"epochs": args.epochs, "lr": 3e-3, "warmup_steps": 2},
                                     "draft": {"draft_vocab_size": 256}
                                     | ({"architecture": args.architecture} if args.architecture else {})})
-    arch = drafts.for_run(cfg)
+    arch = registry.for_run(cfg)
     argv = speculators_argv(arch, cfg, str(verifier), states, vocab, ckpt / "checkpoints", info.aux_layer_ids)
     summary["training"] = {"ranks": max(1, visible_accelerators()), "argv": argv}
     step("training (speculators)", lambda: train_draft(argv, ckpt / "metrics.jsonl"))

@@ -33,8 +33,7 @@ class ArtifactKey(CachePolicy):
         """The artifact is gone or damaged (gc, by hand): a cached result would hand later tasks a dead path."""
         if not self.artifact:
             return False
-        path = store.artifact_path(self.kind_of(inputs), self.key_fn(**inputs))
-        return not (store.is_published(path) and store.intact(path))
+        return not store.holds(self.kind_of(inputs), self.key_fn(**inputs))
 
 
 def refreshed(task, *args):

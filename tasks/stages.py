@@ -10,9 +10,10 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.runtime import task_run
 
-from eaglet import capture, data, drafts, keys, smoke, store
+from eaglet import capture, data, keys, smoke, store
 from eaglet.capture import engine as engines, hf, regenerate, rows, vllm as capture_vllm
 from eaglet.config import RunConfig
+from eaglet.drafts import registry
 from eaglet.errors import EagletError
 from eaglet.train import draft as training, vocab, warm_start
 from eaglet.verifier import VerifierInfo, embedded, resolve_verifier
@@ -47,7 +48,7 @@ def convert_embedded_verifier(aux_layer_ids: list[int] | None, draft_vocab_size:
 @task(name="read-reference")
 def apply_reference(cfg: RunConfig) -> RunConfig:
     """draft.like: take the reference draft's shape-fixing settings (draft vocab, aux ids, input norm)."""
-    return drafts.for_run(cfg).apply_reference(cfg)
+    return registry.for_run(cfg).apply_reference(cfg)
 
 
 @task(name="resolve-verifier")
@@ -58,7 +59,7 @@ def resolve_run_verifier(path: str, cfg: RunConfig) -> VerifierInfo:
     info = resolve_verifier(path, cfg.verifier.aux_layer_ids, cfg.verifier.trust_remote_code)
     if cfg.verifier.endpoint:
         engines.attach_for_run(info, cfg)  # a wrong or unreachable endpoint is refused here, before any work
-    drafts.check_run(info, cfg)
+    registry.check_run(info, cfg)
     get_run_logger().info(f"verifier {info.model_type}: {info.num_layers} layers, hidden {info.hidden_size}, vocab "
                           f"{info.vocab_size}, aux ids {info.aux_layer_ids}, fingerprint {info.fingerprint}")
     return info
@@ -83,8 +84,7 @@ def plan_capture(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> dict:
     """{"backend", "to_compute", "plan"}: the data pass's backend; for vllm, the rows tokenized once and those the
     store lacks counted (none: no verifier load)."""
     backend, key = capture.run_backend(cfg), keys.capture_key(verifier, data_dir, cfg)
-    view = store.artifact_path("hidden_states", key)
-    if backend != "vllm" or (store.is_published(view) and store.intact(view)):
+    if backend != "vllm" or store.holds("hidden_states", key):
         return {"backend": backend, "to_compute": 0, "plan": None}
     plan = store.store_root() / ".plans" / f"{key}-{os.getpid()}.json"
     count, todo = capture_vllm.plan_for_run(verifier, data_dir, cfg, plan)
@@ -203,8 +203,7 @@ def build_vocab(verifier: VerifierInfo, states_dir: str, init_dir: str | None, c
 def plan_training(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_dir: str | None,
                   cfg: RunConfig) -> dict:
     """{"streams"}: whether training asks a capture engine for states (streamed samples, draft not stored)."""
-    stored = store.artifact_path("draft_ckpt", keys.training_key(verifier, states_dir, vocab_dir, init_dir, cfg))
-    trained = store.is_published(stored) and store.intact(stored)
+    trained = store.holds("draft_ckpt", keys.training_key(verifier, states_dir, vocab_dir, init_dir, cfg))
     return {"streams": bool(rows.view_rows(Path(states_dir))["streamed"]) and not trained}
 
 
@@ -215,7 +214,7 @@ def train_draft(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_di
     that answers computes them; not in the key: same content)."""
     def build(work: Path) -> None:
         _progress("training", "training the draft", "epochs", lambda progress: training.train_stage(
-            drafts.for_run(cfg), work, verifier, Path(states_dir), Path(vocab_dir), Path(init_dir) if init_dir else None,
+            registry.for_run(cfg), work, verifier, Path(states_dir), Path(vocab_dir), Path(init_dir) if init_dir else None,
             Path(data_dir) / "train.jsonl", cfg, get_run_logger(), progress, engines.first_answering(fleet or [])))
 
     inputs = {"shape": keys.draft_shape(verifier, cfg), "states": Path(states_dir).name, "init": init_dir}
@@ -241,7 +240,7 @@ def stop_verifier(fleet: list[engines.Engine]) -> None:
 @task(name="export-draft", cache_policy=ArtifactKey(keys.export_kind, keys.export_key), persist_result=True)
 def export_draft(verifier: VerifierInfo, ckpt_dir: str, cfg: RunConfig) -> str:
     """speculators' checkpoint into what vLLM loads (the architecture's export), checked before it is published."""
-    arch = drafts.for_run(cfg)
+    arch = registry.for_run(cfg)
     return str(store.publish(arch.export_kind, keys.export_key(verifier, ckpt_dir, cfg),
                              lambda tmp: arch.export(Path(ckpt_dir), tmp, verifier.path, cfg.export)))
 
@@ -249,7 +248,7 @@ def export_draft(verifier: VerifierInfo, ckpt_dir: str, cfg: RunConfig) -> str:
 @task(name="validate-draft")
 def validate_draft(verifier: VerifierInfo, draft_dir: str) -> list[str]:
     """`eaglet validate` before vLLM is started: every problem at once, as one user error."""
-    report = drafts.of_checkpoint(draft_dir).validate(Path(draft_dir), verifier.path).raise_problems(draft_dir)
+    report = registry.of_checkpoint(draft_dir).validate(Path(draft_dir), verifier.path).raise_problems(draft_dir)
     for w in report.warnings:
         get_run_logger().warning(w)
     return report.warnings
@@ -270,7 +269,7 @@ def verifier_baseline(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> 
       **VLLM_RETRY)
 def smoke_test_run(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseline_dir: str, cfg: RunConfig) -> dict:
     """One vLLM engine: the verifier with the draft, compared with the kept baseline (lossless, tokens/s)."""
-    arch = drafts.for_run(cfg)
+    arch = registry.for_run(cfg)
     with store.in_use(baseline_dir):
         result = smoke.smoke_for_run(verifier.path, draft_dir, data_dir, baseline_dir, cfg, arch.method, arch.k(cfg))
     get_run_logger().info(f"{result.method} draft: mean acceptance length {result.mean_acceptance_length:.3f} at "

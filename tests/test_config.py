@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from deployments.stack import prefect_defaults
-from eaglet import drafts
 from eaglet.config import RunConfig, load_config
+from eaglet.drafts import registry
 from eaglet.errors import EagletError
 from tests.conftest import ROOT
 
@@ -53,22 +53,22 @@ def test_invalid_parameters_are_one_clear_sentence(override, message):
     (["draft.like=/drafts/kimi"], "draft.like (a reference draft's shapes) does not apply to dflash drafts"),
 ])
 def test_dflash_settings_that_do_not_fit_are_one_sentence(overrides, message):
-    """The architecture checks its own settings (eaglet.drafts.for_run: the CLI and resolve-verifier, before any
+    """The architecture checks its own settings (eaglet.registry.for_run: the CLI and resolve-verifier, before any
     load); the same settings are fine for eagle3."""
     with pytest.raises(EagletError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
-        drafts.for_run(load_config(None, ["draft.architecture=dflash", *overrides]))
+        registry.for_run(load_config(None, ["draft.architecture=dflash", *overrides]))
     assert "\n" not in str(e.value) and "Value error" not in str(e.value)
-    drafts.for_run(load_config(None, overrides[:1] if "like" not in overrides[0] else []))
+    registry.for_run(load_config(None, overrides[:1] if "like" not in overrides[0] else []))
 
 
 def test_an_unknown_architecture_is_one_sentence():
     with pytest.raises(EagletError, match="draft.architecture='medusa' is not a draft architecture eaglet knows: use one of eagle3, dflash"):
-        drafts.for_run(load_config(None, ["draft.architecture=medusa"]))
+        registry.for_run(load_config(None, ["draft.architecture=medusa"]))
 
 
 def test_empty_defaults_resolve_per_architecture():
     eagle3, dflash = load_config(), load_config(None, ["draft.architecture=dflash", "dflash.block_size=8"])
-    assert [(drafts.for_run(c).loss(c), drafts.for_run(c).k(c)) for c in (eagle3, dflash)] == [("kl_div", 3), ("ce", 7)]
+    assert [(registry.for_run(c).loss(c), registry.for_run(c).k(c)) for c in (eagle3, dflash)] == [("kl_div", 3), ("ce", 7)]
 
 
 def test_every_field_is_described():
@@ -89,7 +89,7 @@ def test_loss_takes_a_name_or_a_weighted_mix_and_reaches_speculators(tmp_path):
 
     for value, spec in (("ce", "ce"), ('{"tv": 0.9, "ce": 0.1}', '{"ce": 0.1, "tv": 0.9}')):
         cfg = load_config(None, [f"training.loss={value}", "training.ttt_step_loss_decay=0.8"])
-        argv = speculators_argv(drafts.for_run(cfg), cfg, "/v", tmp_path, tmp_path, tmp_path, [1, 2, 3])
+        argv = speculators_argv(registry.for_run(cfg), cfg, "/v", tmp_path, tmp_path, tmp_path, [1, 2, 3])
         assert argv[argv.index("--loss-fn") + 1] == spec
         assert argv[argv.index("--ttt-step-loss-decay") + 1] == "0.8"
 

@@ -11,9 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from deployments.cli import main as eaglet
 from eaglet.config import DFlashParams, DraftParams, RunConfig
-from eaglet import drafts
-from eaglet.drafts import of_checkpoint
+from eaglet.drafts import registry
 from eaglet.drafts.dflash.validate import validate as dflash_validate
+from eaglet.drafts.registry import of_checkpoint
 from eaglet.train.argv import argv_value, argv_values
 from eaglet.train.launch import speculators_argv
 from tests.conftest import run_cli
@@ -24,7 +24,7 @@ def test_dflash_flags_reach_speculators(tmp_path):
     form vLLM's V1 runner serves as trained), no eagle3-only flag."""
     cfg = RunConfig(draft=DraftParams(architecture="dflash"), dflash=DFlashParams(block_size=8, num_layers=2,
                                                                                   max_anchors=64))
-    argv = speculators_argv(drafts.for_run(cfg), cfg, "/v", tmp_path, tmp_path, tmp_path, [2, 4, 5])
+    argv = speculators_argv(registry.for_run(cfg), cfg, "/v", tmp_path, tmp_path, tmp_path, [2, 4, 5])
     assert argv_value(argv, "--speculator-type") == "dflash" and argv_value(argv, "--loss-fn") == "ce"
     assert (argv_value(argv, "--block-size"), argv_value(argv, "--max-anchors")) == ("8", "64")
     assert argv_value(argv, "--per-position-loss-weight") == "dpace" and argv_value(argv, "--draft-arch") == "qwen3"
@@ -70,7 +70,7 @@ def test_dflash_trains_on_the_same_rows_and_vllm_serves_it(dflash_run, e2e_run):
     draft = Path(r["artifacts"]["draft"])  # speculators' checkpoint as vLLM reads it: no flat form
     cfg = json.loads((draft / "config.json").read_text())
     assert cfg["speculators_model_type"] == "dflash" and cfg["block_size"] == 4 and cfg["sliding_window_non_causal"]
-    assert of_checkpoint(draft) is drafts.get("dflash") and dflash_validate(draft, r["verifier"]["path"]).ok
+    assert of_checkpoint(draft) is registry.get("dflash") and dflash_validate(draft, r["verifier"]["path"]).ok
 
     s = r["smoke"]
     assert s["method"] == "dflash" and s["num_speculative_tokens"] == 3 and len(s["acceptance_per_position"]) == 3

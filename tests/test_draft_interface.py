@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from deployments.cli import main as eaglet
-from eaglet import drafts, keys
+from eaglet import keys
 from eaglet.config import ExportParams, RunConfig, load_config
+from eaglet.drafts import registry
 from eaglet.drafts.checkpoint import read_config, write_json
 from eaglet.errors import EagletError
 from eaglet.train.argv import argv_value
@@ -19,7 +20,7 @@ from eaglet.train.launch import speculators_argv
 from eaglet.verifier import VerifierInfo
 
 
-class Medusa(drafts.DraftArchitecture):
+class Medusa(registry.DraftArchitecture):
     """A stand-in architecture: its export writes its own config, its validation checks one field."""
 
     name = "medusa_test"
@@ -52,8 +53,8 @@ class Medusa(drafts.DraftArchitecture):
         write_json(out / "config.json", {**read_config(ckpt_dir), "served_as": export.serving_id})
         self.validate(out, verifier).raise_problems(out)
 
-    def validate(self, draft_dir: Path, verifier: str) -> drafts.ValidationReport:
-        report = drafts.ValidationReport()
+    def validate(self, draft_dir: Path, verifier: str) -> registry.ValidationReport:
+        report = registry.ValidationReport()
         if "heads" not in read_config(draft_dir):
             report.problems.append("heads is missing")
         return report
@@ -61,9 +62,9 @@ class Medusa(drafts.DraftArchitecture):
 
 @pytest.fixture
 def medusa():
-    arch = drafts.register(Medusa())
+    arch = registry.register(Medusa())
     yield arch
-    del drafts.ARCHITECTURES[arch.name]
+    del registry.ARCHITECTURES[arch.name]
 
 
 def _verifier() -> VerifierInfo:
@@ -73,7 +74,7 @@ def _verifier() -> VerifierInfo:
 
 def test_a_registered_architecture_is_reached_through_the_interface(medusa, tmp_path):
     cfg = load_config(None, ["draft.architecture=medusa_test"])
-    assert drafts.for_run(cfg) is medusa and (medusa.loss(cfg), medusa.k(cfg)) == ("ce", 2)
+    assert registry.for_run(cfg) is medusa and (medusa.loss(cfg), medusa.k(cfg)) == ("ce", 2)
 
     argv = speculators_argv(medusa, cfg, "/v", tmp_path, tmp_path, tmp_path, [2, 4, 5])
     assert argv_value(argv, "--speculator-type") == "medusa" and argv_value(argv, "--loss-fn") == "ce"
@@ -84,7 +85,7 @@ def test_a_registered_architecture_is_reached_through_the_interface(medusa, tmp_
     write_json(ckpt / "config.json", {"speculators_model_type": "medusa_test", "heads": 3})
     medusa.export(ckpt, out, "/v", ExportParams(serving_id="org/model"))
     assert json.loads((out / "config.json").read_text())["served_as"] == "org/model"
-    assert drafts.of_checkpoint(out) is medusa and medusa.validate(out, "/v").ok
+    assert registry.of_checkpoint(out) is medusa and medusa.validate(out, "/v").ok
     assert eaglet(["validate", str(out), "--verifier", "/v"]) == 0
 
     write_json(out / "config.json", {"speculators_model_type": "medusa_test"})
@@ -103,13 +104,13 @@ def test_a_registered_architecture_is_reached_through_the_interface(medusa, tmp_
 
 def test_its_own_limits_are_one_sentence_before_any_load(medusa):
     with pytest.raises(EagletError, match=r"smoke.num_speculative_tokens=5 is more than a medusa_test draft"):
-        drafts.for_run(load_config(None, ["draft.architecture=medusa_test", "smoke.num_speculative_tokens=5"]))
+        registry.for_run(load_config(None, ["draft.architecture=medusa_test", "smoke.num_speculative_tokens=5"]))
     with pytest.raises(EagletError, match="draft.like .* does not apply to medusa_test drafts"):
-        drafts.for_run(load_config(None, ["draft.architecture=medusa_test", "draft.like=/x"]))
+        registry.for_run(load_config(None, ["draft.architecture=medusa_test", "draft.like=/x"]))
     with pytest.raises(EagletError, match="has no flat form|medusa_test drafts have no flat form"):
         medusa.flatten(Path("/a"), Path("/b"), None, ExportParams())
 
 
 def test_a_name_taken_is_refused(medusa):
     with pytest.raises(ValueError, match="already registered"):
-        drafts.register(Medusa())
+        registry.register(Medusa())

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from eaglet.drafts import registry
 from eaglet.drafts.eagle3.flat import flatten
 from eaglet.drafts.eagle3.validate import validate
 from eaglet.smoke import load_prompts, read_baseline, smoke_test
@@ -122,7 +123,6 @@ def test_smoke_command_alone(e2e_run, tiny_verifier, tmp_path):
 def test_flat_and_nested_forms_are_the_same_draft_in_vllm(e2e_run, tiny_verifier):
     """vLLM loads both forms; the converter must not change a single greedy token or acceptance count. The flat
     form's figures are the run's own smoke test (same prompts, job and engine settings): one engine here."""
-    from eaglet import drafts
     from eaglet.config import load_config
     from eaglet.smoke import _job, smoke_max_model_len
     from eaglet.vllm import run_job
@@ -132,8 +132,8 @@ def test_flat_and_nested_forms_are_the_same_draft_in_vllm(e2e_run, tiny_verifier
     prompts = load_prompts(Path(r["artifacts"]["data"]) / "eval.jsonl", cfg.smoke.num_prompts)
     job = _job(str(tiny_verifier), prompts, cfg.smoke.max_tokens, smoke_max_model_len(cfg), cfg.smoke.dtype,
                cfg.smoke.load_format)
-    nested = run_job(dict(job, draft=str(e2e_run["out"] / "draft-speculators"), k=drafts.for_run(cfg).k(cfg),
-                          method=drafts.for_run(cfg).method))
+    nested = run_job(dict(job, draft=str(e2e_run["out"] / "draft-speculators"), k=registry.for_run(cfg).k(cfg),
+                          method=registry.for_run(cfg).method))
     flat = r["smoke"]  # the flat draft in the same job: the run's smoke-test
     assert nested["token_ids"] == read_baseline(r["artifacts"]["baseline"])["token_ids"] and flat["lossless"]
     c = nested["spec"]

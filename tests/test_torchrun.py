@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from eaglet.config import RunConfig
-from eaglet import drafts
+from eaglet.drafts import registry
 from eaglet.train.launch import speculators_argv, torchrun_argv, torchrun_command, torchrun_env, train_draft
 from eaglet.train.metrics import follow_metrics, metrics_end
 
@@ -48,7 +48,7 @@ def test_two_ranks_start_under_torchrun_and_reach_speculators(tiny_verifier, tmp
     save = tmp_path / "work" / "checkpoints"
     cfg = RunConfig()
     # The ranks stop in speculators' set-up, before any data is read: the paths need not exist.
-    argv = speculators_argv(drafts.for_run(cfg), cfg, str(tiny_verifier), tmp_path / "states", tmp_path / "vocab",
+    argv = speculators_argv(registry.for_run(cfg), cfg, str(tiny_verifier), tmp_path / "states", tmp_path / "vocab",
                             save, [2, 4, 5])
     with pytest.raises(RuntimeError) as err:
         train_draft(argv, tmp_path / "work" / "metrics.jsonl", lambda row: None, nproc=2)
@@ -110,9 +110,9 @@ def test_the_draft_is_the_epoch_validation_predicts_best(tmp_path):
             for e, a in ((0, 0.3), (1, 0.5), (2, 0.4))]
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert best_checkpoint(ckpts, metrics, drafts.get("eagle3").score) == (ckpts / "1", 1.75)
+    assert best_checkpoint(ckpts, metrics, registry.get("eagle3").score) == (ckpts / "1", 1.75)
     metrics.write_text("")  # no validation recorded: the last epoch
-    assert best_checkpoint(ckpts, metrics, drafts.get("eagle3").score) == (ckpts / "2", None)
+    assert best_checkpoint(ckpts, metrics, registry.get("eagle3").score) == (ckpts / "2", None)
 
 
 def test_a_warm_start_loads_the_epoch_the_draft_was_delivered_from(tmp_path):
@@ -128,7 +128,7 @@ def test_a_warm_start_loads_the_epoch_the_draft_was_delivered_from(tmp_path):
     assert read_delivered(draft) is None and warm_start_weights(draft) == draft / "checkpoints" / "2"  # older drafts
     write_delivered(draft, draft / "checkpoints" / "1", 1.75)
     assert read_delivered(draft) == {"epoch": 1, "predicted": 1.75}
-    assert validation_acceptance(draft, drafts.get("eagle3")) == 1.75
+    assert validation_acceptance(draft, registry.get("eagle3")) == 1.75
     assert warm_start_weights(draft) == draft / "checkpoints" / "1"
 
 

@@ -46,8 +46,7 @@ def row_path(key: str) -> Path:
 
 
 def have_row(key: str) -> bool:
-    path = row_path(key)
-    return store.is_published(path) and store.intact(path)
+    return store.holds(ROW_KIND, key)
 
 
 def publish_row(key: str, samples: list[dict], dtype: str) -> Path:
@@ -68,8 +67,7 @@ def publish_row(key: str, samples: list[dict], dtype: str) -> Path:
 
 
 def have_streamed_row(key: str) -> bool:
-    path = store.artifact_path(STREAMED_KIND, key)
-    return store.is_published(path) and store.intact(path)
+    return store.holds(STREAMED_KIND, key)
 
 
 def publish_streamed_row(key: str, samples: list[dict]) -> Path:

@@ -1,9 +1,9 @@
-"""The one interface a draft architecture provides. eaglet.drafts registers each architecture once; every other
+"""The one interface a draft architecture provides. eaglet.drafts.registry registers each architecture once; every other
 part of eaglet (training, keys, export, validation, smoke test, report, CLI) asks the architecture through these
 methods and never names one.
 
 A new architecture is one package under eaglet/drafts/ with a `DraftArchitecture` subclass, added to
-eaglet.drafts.ARCHITECTURES (or `eaglet.drafts.register`), plus its tests.
+eaglet.drafts.registry.ARCHITECTURES (or `registry.register`), plus its tests.
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ import shutil
 import time
 from pathlib import Path
 
-from eaglet import drafts
 from eaglet.capture.fleet import describe_shares
 from eaglet.config import RunConfig
 from eaglet.data import prompt_digests
+from eaglet.drafts import registry
 from eaglet.report import history
 from eaglet.report.history import DEFAULT_ARCHITECTURE, when
 from eaglet.report.plots import acceptance_history, acceptance_per_position, training_curves
@@ -219,7 +219,7 @@ def _decoding(report: dict) -> str:
             + f"; {d['rows']} rows, k = {d['ttt_steps']})")
 
 
-def validation_acceptance(checkpoint: Path, arch: drafts.DraftArchitecture) -> float | None:
+def validation_acceptance(checkpoint: Path, arch: registry.DraftArchitecture) -> float | None:
     """The acceptance length the delivered epoch's validation metrics predict (the architecture's score), from the
     metrics eaglet recorded while training (speculators does not always save val_metrics.json)."""
     delivered = read_delivered(checkpoint)  # the delivered epoch and its figure (eaglet.train.best_checkpoint)
@@ -265,7 +265,7 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
     comparison: eaglet.report.history.comparison_key of the smoke test. Keeps the draft in DIR/drafts/<key> and moves
     DIR/current to it if it passes the gate and beats the current one (eaglet.report.history)."""
     out = out.resolve()
-    arch = drafts.get(params.draft.architecture)
+    arch = registry.get(params.draft.architecture)
     draft_key = Path(artifacts["draft"]).name
     failure = history.gate_failure(smoke, params.smoke.min_acceptance)
     promotion = history.decide(out, draft_key, smoke, comparison, failure)

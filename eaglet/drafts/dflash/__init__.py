@@ -16,7 +16,7 @@ from pathlib import Path
 from eaglet.config import ExportParams, RunConfig, loss_spec
 from eaglet.drafts.base import DraftArchitecture, ValidationReport
 from eaglet.drafts.checkpoint import read_config, write_json
-from eaglet.drafts.dflash.validate import validate
+from eaglet.drafts.dflash.validate import validate as validate_dflash
 from eaglet.errors import EagletError
 from eaglet.store import link_or_copy
 
@@ -87,10 +87,10 @@ class DFlash(DraftArchitecture):
                                                                        "name_or_path": export.serving_id}}}
         write_json(out / "config.json", cfg)
         link_or_copy(ckpt_dir / "model.safetensors", out / "model.safetensors")
-        validate(out, verifier).raise_problems(out)
+        validate_dflash(out, verifier).raise_problems(out)
 
     def validate(self, draft_dir: Path, verifier: str) -> ValidationReport:
-        return validate(draft_dir, verifier)
+        return validate_dflash(draft_dir, verifier)
 
 
 ARCHITECTURE = DFlash()

@@ -18,7 +18,7 @@ from eaglet.config import ExportParams, RunConfig
 from eaglet.drafts.base import DraftArchitecture, ValidationReport
 from eaglet.drafts.checkpoint import is_nested, read_config
 from eaglet.drafts.eagle3 import acceptance, flat, reference
-from eaglet.drafts.eagle3.validate import validate
+from eaglet.drafts.eagle3.validate import check_flat_draft, validate as validate_flat
 
 
 class Eagle3(DraftArchitecture):
@@ -77,10 +77,10 @@ class Eagle3(DraftArchitecture):
     def export(self, ckpt_dir: Path, out: Path, verifier: str, export: ExportParams) -> None:
         flat.write_flat(ckpt_dir, out, verifier, serving_id=export.serving_id, layer_prefix=export.layer_prefix,
                         keep_embeddings=export.keep_embeddings)
-        validate(out, verifier).raise_problems(out)
+        check_flat_draft(out, verifier)
 
     def validate(self, draft_dir: Path, verifier: str) -> ValidationReport:
-        return validate(draft_dir, verifier)
+        return validate_flat(draft_dir, verifier)
 
     def check_before_serving(self, draft_dir: Path, verifier: str) -> ValidationReport:
         if is_nested(read_config(Path(draft_dir))):  # vLLM reads speculators' own form; the checks are the flat one's
