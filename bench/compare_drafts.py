@@ -19,7 +19,7 @@ from bench.run import _cpu_model, _slug, _versions
 
 def compare(verifier: str, prompts_file: str, drafts: list[str], k: int, num_prompts: int, max_tokens: int,
             batch1_prompts: int, repeats: int) -> dict:
-    from eaglet.smoke import load_prompts
+    from eaglet.evaluate.smoke import load_prompts
 
     prompts = load_prompts(prompts_file, num_prompts)
     batch1 = {"ks": [k], "prompts": batch1_prompts, "max_tokens": max_tokens, "repeats": repeats, "warmup": 1}

@@ -250,7 +250,7 @@ def _batched_row(k: int, spec: dict, base: dict) -> dict:
 def decoding(verifier_path: str, draft: str, prompts: list, ks: list[int], max_tokens: int, batch1: dict,
              max_model_len: int, dtype: str = "float32", batched_in_pair: bool = False) -> dict:
     """Greedy decoding in vLLM on held-out prompts, float32 by default: on CPU, bfloat16 makes greedy outputs with
-    and without the draft differ (see eaglet/smoke.py), and then the two runs decode different tokens and their
+    and without the draft differ (see eaglet/evaluate/smoke.py), and then the two runs decode different tokens and their
     speeds are not comparable; `identical_outputs` says whether they were.
     Batched: all prompts at once, one engine per configuration, a short warm-up generation first.
     Batch 1 (for k in batch1["ks"]): bench.decode_pair, both engines in one process, warmed up, passes of

@@ -128,7 +128,7 @@ def run(preset: str, verifier: str | None, draft: str | None, home: Path, reuse:
     st = measure.stages(home, verifier_path, str(responses), str(datapass_dir), cfg, p)
 
     # 5. decoding
-    from eaglet.smoke import load_prompts
+    from eaglet.evaluate.smoke import load_prompts
 
     prompts = load_prompts(Path(data_dir) / "eval.jsonl", p["decode_prompts"])
     dec = measure.decoding(verifier_path, draft or report["draft_dir"], prompts, p["ks"], p["max_tokens"],

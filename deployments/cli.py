@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -26,7 +27,9 @@ from eaglet.config import ExportParams, RunConfig, load_config
 from eaglet.drafts import registry
 from eaglet.errors import EagletError
 from eaglet.keys import embedded_key
-from eaglet.smoke import load_prompts, smoke_test
+from eaglet.evaluate import serving
+from eaglet.evaluate.smoke import load_prompts, smoke_test
+from eaglet.train import lineage
 from eaglet.verifier import resolve_verifier
 from eaglet.verifier.embedded import check_params, convert_embedded_verifier
 
@@ -56,7 +59,9 @@ def _quiet_user_errors() -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     params = load_config(args.config, args.set)  # invalid parameters fail here, before Prefect starts
-    registry.for_run(params)  # and settings that do not fit the draft architecture
+    arch = registry.for_run(params)  # and settings that do not fit the draft architecture
+    if params.eval.enabled:
+        serving.check(params, arch.k(params))  # suites that do not exist or are empty, k above the trained one
     _prefect_env()
     from flows.train_eagle3 import train_eagle3  # imports Prefect, which reads its settings at import: set first
 
@@ -85,6 +90,46 @@ def cmd_smoke(args: argparse.Namespace) -> int:
         Path(args.json).write_text(text + "\n")
     print(text)
     return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Drafts side by side on the same suites and engine settings: the verifier alone measured once, then each
+    draft at each k (eaglet.evaluate.serving); out/comparison.{json,md}."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = load_config(args.config, args.set)
+    drafts = {}
+    for d in args.draft:
+        name, _, path = d.rpartition("=") if "=" in d else (Path(d).name, "", d)
+        arch = registry.of_checkpoint(Path(path))  # a directory that is no draft fails here, before any load
+        arch.check_before_serving(Path(path), args.verifier)
+        drafts[name] = (Path(path), arch)
+    if len(drafts) != len(args.draft):
+        raise EagletError("two --draft arguments have the same name: give NAME=PATH")
+    trained_k = {name: args.k or arch.k(cfg) for name, (_, arch) in drafts.items()}
+    for name, k in trained_k.items():
+        serving.check(cfg, k)
+    out = Path(args.output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    alone = serving.measure_verifier_alone(args.verifier, cfg, _fresh(out / "verifier-alone"))
+    results = {}
+    for name, (path, arch) in drafts.items():
+        results[name] = serving.evaluate_draft(args.verifier, str(path), arch.method, trained_k[name], cfg, alone,
+                                               _fresh(out / name), lineage.prompts_seen(path))
+        print(f"{name}: {serving.payoff_sentence(results[name])}")
+    table = serving.compare(results)
+    (out / "comparison.json").write_text(json.dumps(table | {"verifier": args.verifier,
+                                                             "machine": alone["machine"]}, indent=1) + "\n")
+    markdown = serving.comparison_markdown(table, args.verifier, alone["machine"])
+    (out / "comparison.md").write_text(markdown)
+    print(markdown)
+    return 0
+
+
+def _fresh(path: Path) -> Path:
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
 
 
 def _with_flat_form(src: Path) -> registry.DraftArchitecture:
@@ -272,6 +317,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="vLLM compute dtype (float32: bit-comparable greedy outputs)")
     smoke.add_argument("--json", help="also write the result here")
     smoke.set_defaults(fn=cmd_smoke)
+
+    ev = sub.add_parser("eval", help="drafts side by side: acceptance per suite, speedup per concurrency and k")
+    ev.add_argument("--verifier", required=True)
+    ev.add_argument("--draft", action="append", required=True, help="NAME=PATH or PATH (repeat for each draft)")
+    ev.add_argument("--k", type=int, default=None, help="the largest k to measure (default: the architecture's)")
+    ev.add_argument("--config", help="YAML with an eval: section (suites, concurrency, k, max_tokens, ...)")
+    ev.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="e.g. eval.concurrency=[1,8]")
+    ev.add_argument("--output-dir", default="out/eval")
+    ev.set_defaults(fn=cmd_eval)
 
     flat = sub.add_parser("flatten", help="speculators checkpoint -> vLLM's flat LlamaForCausalLMEagle3 draft")
     flat.add_argument("src", help="speculators checkpoint directory (config.json with speculators_config)")

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator)
+from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator,
+                      model_validator)
 
 from eaglet.errors import EagletError
 
@@ -221,10 +222,43 @@ class SmokeParams(_Section):
     min_acceptance: float | None = Field(
         None, ge=1.0, le=17.0, description="Quality gate: the run fails (after writing its report) when the draft's "
         "mean acceptance length is below this. A draft that is not lossless always fails.")
+    min_speedup: float = Field(
+        1.0, gt=0, le=100.0, description="With eval.target_concurrency: the least output-throughput ratio (with "
+        "the draft / the verifier alone, at the best k) at that concurrency for the draft to pass and be promoted.")
     load_format: Literal["auto", "safetensors", "fastsafetensors", "runai_streamer"] = Field(
         "auto", description="vLLM's weight loader for the smoke engines. auto: vLLM's default. On GPU hosts "
         "fastsafetensors (GPU-direct reads) or runai_streamer (concurrent streaming) load large verifiers faster; "
         "each needs its PyPI package installed (checked before any load).")
+
+
+class EvalParams(_Section):
+    enabled: bool = Field(True, description="After the smoke test: acceptance per suite and category, and output "
+                          "throughput and latency with and without the draft at each concurrency level and k "
+                          "(vLLM servers under vLLM's serving benchmark).")
+    suites: list[str] = Field(
+        ["mt-bench", "humaneval"], min_length=1,
+        description="Built-in public benchmark suites by name (mt-bench, humaneval, gsm8k) or JSONL files of "
+                    "{\"prompt\", \"category\"} rows.")
+    prompts_per_suite: int = Field(16, ge=1, le=100000, description="Prompts per suite, taken round-robin over "
+                                   "its categories.")
+    max_tokens: int = Field(64, ge=1, le=8192, description="Tokens generated per request.")
+    concurrency: list[Annotated[int, Field(ge=1, le=4096)]] | None = Field(
+        None, min_length=1, description="Concurrent requests at each load level. Empty: [1, 4, 16] on a CPU host, "
+        "[1, 8, 32, 128] on GPUs.")
+    k: list[Annotated[int, Field(ge=1, le=31)]] | None = Field(
+        None, min_length=1, description="Draft tokens per step to measure, each up to the trained k (one server "
+        "start each). Empty: 1 to the trained k.")
+    target_concurrency: int | None = Field(
+        None, ge=1, le=4096, description="The concurrency you serve at: a draft slower there than the verifier "
+        "alone (see smoke.min_speedup) is neither promoted nor passed. Empty: promotion on acceptance alone.")
+
+    @model_validator(mode="after")
+    def _target_measured(self) -> EvalParams:
+        if self.target_concurrency is not None and self.concurrency is not None \
+                and self.target_concurrency not in self.concurrency:
+            raise ValueError(f"eval.target_concurrency={self.target_concurrency} is not among eval.concurrency "
+                             f"{self.concurrency}: add it there")
+        return self
 
 
 class RunConfig(_Section):
@@ -238,6 +272,7 @@ class RunConfig(_Section):
     training: TrainingParams = Field(default_factory=TrainingParams)
     export: ExportParams = Field(default_factory=ExportParams)
     smoke: SmokeParams = Field(default_factory=SmokeParams)
+    eval: EvalParams = Field(default_factory=EvalParams)
 
     @field_validator("verifier")
     @classmethod

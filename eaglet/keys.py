@@ -17,7 +17,9 @@ from eaglet.config import RunConfig
 from eaglet.data import row_digest, split_run_rows
 from eaglet.drafts import registry
 from eaglet.report.history import comparison_key as history_comparison_key
-from eaglet.smoke import held_out_prompts, machine_kind, smoke_max_model_len
+from eaglet.evaluate import serving
+from eaglet.evaluate.smoke import held_out_prompts, machine_kind, smoke_max_model_len
+from eaglet.evaluate.suites import load_suites
 from eaglet.train.launch import cpu_dtype
 from eaglet.train.warm_start import run_training
 from eaglet.verifier import VerifierInfo
@@ -167,7 +169,7 @@ def smoke_key(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseline_di
     return _key("smoke", verifier=verifier.fingerprint, draft=Path(draft_dir).name,
                 prompts=held_out_digest(data_dir, cfg),
                 baseline=Path(baseline_dir).name,
-                smoke=cfg.smoke.model_dump(exclude={"min_acceptance"})
+                smoke=cfg.smoke.model_dump(exclude={"min_acceptance", "min_speedup"})
                 | {"num_speculative_tokens": registry.get(cfg.draft.architecture).k(cfg)})
 
 
@@ -176,3 +178,25 @@ def comparison_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str
     s = cfg.smoke
     return history_comparison_key(verifier.fingerprint, held_out_prompts(data_dir, cfg),
                                   registry.get(cfg.draft.architecture).k(cfg), s.max_tokens, s.dtype)
+
+
+def suites_digest(cfg: RunConfig) -> str:
+    """The evaluation prompts by content: each suite's name, source and prompts (after eval.prompts_per_suite)."""
+    return store.digest([s.model_dump() for s in load_suites(cfg.eval.suites, cfg.eval.prompts_per_suite)])
+
+
+def serving_baseline_key(verifier: VerifierInfo, cfg: RunConfig) -> str:
+    """The verifier alone under load: not the draft, not k. The machine's kind is in the key (speeds are not
+    portable)."""
+    e = cfg.eval
+    return _key("serving_baseline", verifier=verifier.fingerprint, suites=suites_digest(cfg), max_tokens=e.max_tokens,
+                levels=serving.levels(cfg), dtype=cfg.smoke.dtype, max_model_len=serving.max_model_len(cfg),
+                machine=machine_kind())
+
+
+def evaluation_key(verifier: VerifierInfo, draft_dir: str, ckpt_dir: str, baseline_dir: str, cfg: RunConfig) -> str:
+    """The draft on the suites at each level and k, against the kept verifier-alone figures (their key names the
+    suites, levels and settings). The gate's thresholds are the report's, not the measurement's."""
+    trained = registry.get(cfg.draft.architecture).k(cfg)
+    return _key("evaluation", verifier=verifier.fingerprint, draft=Path(draft_dir).name, lineage=Path(ckpt_dir).name,
+                baseline=Path(baseline_dir).name, k=serving.k_values(cfg, trained), trained_k=trained)

@@ -113,7 +113,7 @@ def main() -> int:
     from eaglet.capture.hf import extract_hidden_states
     from eaglet.capture.shards import token_freq
     from eaglet.capture.vllm import generate_and_capture
-    from eaglet.smoke import load_prompts, smoke_test
+    from eaglet.evaluate.smoke import load_prompts, smoke_test
     from eaglet.verifier.devices import visible_accelerators
     from eaglet.train.checkpoints import last_checkpoint, write_final_draft
     from eaglet.train.launch import speculators_argv, train_draft

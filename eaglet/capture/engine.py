@@ -28,7 +28,7 @@ from eaglet.errors import EagletError
 from eaglet.vllm.process import stop_group
 from eaglet.verifier.devices import on_accelerator
 from eaglet.vllm import vllm_env
-from eaglet.smoke import smoke_max_model_len
+from eaglet.evaluate.smoke import smoke_max_model_len
 from eaglet.verifier.devices import visible_accelerators
 
 log = logging.getLogger("eaglet.vllm")

@@ -33,7 +33,7 @@ from eaglet.errors import EagletError
 from eaglet.capture import CAPTURE_VERSIONS
 from eaglet.capture.engine import capture_engine_dtype, capture_layers
 from eaglet.verifier import resolve_verifier
-from eaglet.smoke import held_out_prompts, write_baseline
+from eaglet.evaluate.smoke import held_out_prompts, write_baseline
 
 log = logging.getLogger("eaglet.capture")
 
@@ -461,7 +461,7 @@ def view_for_run(engines: list[Engine] | None, verifier, data_dir: str, out: Pat
 
 
 def baseline_from_engine(out: Path, engines: list[Engine], verifier, data_dir: str, cfg) -> dict:
-    """The smoke baseline (eaglet.smoke.write_baseline) from a capture engine's greedy answers to the held-out
+    """The smoke baseline (eaglet.evaluate.smoke.write_baseline) from a capture engine's greedy answers to the held-out
     prompts (the first that still answers): the smoke test then starts one engine, the one with the draft."""
     engine = next((e for e in engines if healthy(e.endpoint)), None)
     if engine is None:
@@ -475,7 +475,7 @@ def baseline_from_engine(out: Path, engines: list[Engine], verifier, data_dir: s
 def greedy_answers(engine: Engine, tokenizer_path: str, prompts: list[list[dict]], max_tokens: int,
                    trust_remote_code: bool = False) -> dict:
     """The verifier's greedy answers to `prompts` from the capture engine while it is up: the token ids and the
-    batch's speed, in the form of an offline vLLM job's result (eaglet.smoke's baseline). The engine captures
+    batch's speed, in the form of an offline vLLM job's result (eaglet.evaluate.smoke's baseline). The engine captures
     these prompts' states too (its method cannot be turned off per request); they are read and dropped.
     Greedy ids are the verifier's whichever engine computes them (tests/test_flow_e2e.py: the same ids as an
     offline engine's), so the smoke test's baseline needs no engine of its own when the data pass had one."""

@@ -15,8 +15,9 @@ from eaglet.data import prompt_digests
 from eaglet.drafts import registry
 from eaglet.report import history
 from eaglet.report.history import DEFAULT_ARCHITECTURE, when
-from eaglet.report.plots import acceptance_history, acceptance_per_position, training_curves
-from eaglet.smoke import read_baseline
+from eaglet.report.plots import acceptance_history, acceptance_per_position, serving_payoff, training_curves
+from eaglet.evaluate import serving
+from eaglet.evaluate.smoke import read_baseline
 from eaglet.store import LAST_USED, MANIFEST, publish_dir
 from eaglet.train.checkpoints import read_delivered
 from eaglet.train.lineage import read_lineage
@@ -150,13 +151,15 @@ def render_markdown(report: dict) -> str:
             "outside the draft vocabulary is rejected), what vLLM should measure: " + _decoding(report),
             f"- lossless (identical outputs with and without the draft): {s['lossless']}",
             f"- tokens/s without draft {s['tokens_per_s_without_draft']:.0f}, with draft "
-            f"{s['tokens_per_s_with_draft']:.0f} (batched, vLLM)",
+            f"{s['tokens_per_s_with_draft']:.0f} (every prompt at once in an offline engine: the heaviest load; "
+            "what the draft does at each concurrency is in the serving section)",
         ]
         if s.get("baseline_measured"):
             kept = " (the kept baseline: the smoke-load itself started one engine, the one with the draft)"
             lines.append(f"- verifier alone measured {s['baseline_measured']}" + (kept if s.get("baseline_reused") else ""))
         if plots.get("acceptance"):
             lines += ["", f"![acceptance per position]({plots['acceptance']})"]
+    lines += _evaluation_lines(report.get("evaluation"), report.get("payoff"), plots, report["params"]["eval"])
     h, w = report.get("held_out"), report.get("warm_start")
     if h:
         seen = "not known" if h["seen_in_training"] is None else h["seen_in_training"]
@@ -207,6 +210,45 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _evaluation_lines(e: dict | None, payoff: str | None, plots: dict, params: dict) -> list[str]:
+    """Is it worth serving: acceptance per suite and category, the concurrency sweep per k, the k to serve."""
+    if not e:
+        return []
+    def f(x, spec=".0f"):
+        return "-" if x is None else format(x, spec)
+
+    lines = ["", "## Is it worth serving (vLLM's serving benchmark)", "", f"- **{payoff}**",
+             f"- measured {e['measured_at']}: greedy, {params['max_tokens']} tokens per request, one server per k "
+             f"({e['engine_loads']} draft loads), the verifier alone kept from its own run",
+             "", "| suite | prompts | left out (trained on) | mean acceptance | per position | lossless |",
+             "|---|---:|---:|---:|---|---|"]
+    for s in e["suites"]:
+        lines.append(f"| {s['suite']} | {s['prompts']} | {s['left_out']} | {s['mean_acceptance_length']:.3f} | "
+                     + ", ".join(f"{a:.2f}" for a in s["per_position"]) + f" | {s['lossless']} |")
+    lines += ["", f"Per category (k = {e['trained_k']}):", "", "| suite | category | prompts | mean acceptance | "
+              "per position | lossless |", "|---|---|---:|---:|---|---|"]
+    for c in e["categories"]:
+        lines.append(f"| {c['suite']} | {c['category']} | {c['prompts']} | {c['mean_acceptance_length']:.3f} | "
+                     + ", ".join(f"{a:.2f}" for a in c["per_position"])
+                     + f" | {c['lossless']}" + (f" ({c['mismatched']} differ)" if c["mismatched"] else "") + " |")
+    lines += ["", "| concurrency | k | output tokens/s | speedup | acceptance | TTFT p50 / p99 ms | TPOT p50 / p99 ms |",
+              "|---:|---:|---:|---:|---:|---|---|"]
+    for r in sorted(e["verifier_alone"] + e["sweep"], key=lambda r: (r["concurrency"], r["k"])):
+        lines.append(f"| {r['concurrency']} | {r['k'] or 'alone'} | {f(r['output_tokens_per_s'])} | "
+                     f"{f(r.get('speedup'), '.2f')} | {f(r.get('acceptance_length'), '.2f')} | "
+                     f"{f(r['ttft_ms_p50'])} / {f(r['ttft_ms_p99'])} | {f(r['tpot_ms_p50'], '.1f')} / "
+                     f"{f(r['tpot_ms_p99'], '.1f')} |")
+    lines += ["", "- best k per concurrency: " + ", ".join(f"{c}: k={b['k']} ({b['speedup']:.2f}x)"
+                                                          for c, b in e["best"].items()),
+              "- crossover: " + (f"from concurrency {e['crossover']} no k pays" if e["crossover"] else
+                                  "none within the levels measured"),
+              f"- to serve at concurrency {e['serve_at']}: `--speculative-config "
+              f"'{json.dumps(e['speculative_config'])}'`"]
+    if plots.get("serving"):
+        lines += ["", f"![output throughput and speedup per concurrency and k]({plots['serving']})"]
+    return lines
+
+
 def _json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
@@ -230,7 +272,7 @@ def validation_acceptance(checkpoint: Path, arch: registry.DraftArchitecture) ->
     return arch.score(last["metrics"]) if last else None
 
 
-def make_plots(out: Path, checkpoint_dir: str, smoke: dict | None) -> dict[str, str]:
+def make_plots(out: Path, checkpoint_dir: str, smoke: dict | None, evaluation: dict | None = None) -> dict[str, str]:
     """PNG files beside the report; returns their names (the report links them relatively)."""
     plots = {}
     if training_curves(read_metrics(Path(checkpoint_dir)), out / "training.png"):
@@ -239,6 +281,8 @@ def make_plots(out: Path, checkpoint_dir: str, smoke: dict | None) -> dict[str, 
         acceptance_per_position(smoke["acceptance_per_position"], smoke["mean_acceptance_length"],
                                 smoke["num_speculative_tokens"], out / "acceptance.png")
         plots["acceptance"] = "acceptance.png"
+    if evaluation and serving_payoff(evaluation, out / "serving.png"):
+        plots["serving"] = "serving.png"
     return plots
 
 
@@ -267,7 +311,9 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
     out = out.resolve()
     arch = registry.get(params.draft.architecture)
     draft_key = Path(artifacts["draft"]).name
-    failure = history.gate_failure(smoke, params.smoke.min_acceptance)
+    evaluation = _json(Path(artifacts["evaluation"]) / serving.EVALUATION_FILE) if "evaluation" in artifacts else None
+    failure = history.gate_failure(smoke, params.smoke.min_acceptance) or serving.speedup_failure(
+        evaluation, params.eval.target_concurrency, params.smoke.min_speedup)
     promotion = history.decide(out, draft_key, smoke, comparison, failure)
     draft = publish_dir(_copy_artifact(Path(artifacts["draft"])), out / "draft")
     spec = publish_dir(_copy_artifact(Path(artifacts["checkpoint"])), out / "draft-speculators")
@@ -298,7 +344,10 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
         "finished": time.time(),
         "config_difference": config_difference(json.loads((spec / "config.json").read_text()),
                                                json.loads((draft / "config.json").read_text())),
-        "plots": make_plots(out, artifacts["checkpoint"], smoke),
+        "plots": make_plots(out, artifacts["checkpoint"], smoke, evaluation),
+        "evaluation": evaluation and evaluation | {"speculative_config": evaluation["speculative_config"]
+                                                   | {"model": str(draft)}},
+        "payoff": serving.payoff_sentence(evaluation) if evaluation else None,
     }
     baseline = {}
     if "baseline" in artifacts:
@@ -360,3 +409,16 @@ def acceptance_table(smoke: dict) -> list[dict]:
     """The smoke test's acceptance per position as table rows (the UI's acceptance-per-position)."""
     return [{"position": i + 1, "acceptance": round(a, 4), "accepted": round(a * smoke["drafts"]),
              "drafts": smoke["drafts"]} for i, a in enumerate(smoke["acceptance_per_position"])]
+
+
+def evaluation_tables(report: dict) -> dict[str, tuple[list[dict], str]]:
+    """The UI's tables of the evaluation: key -> (rows, description)."""
+    e = report.get("evaluation")
+    if not e:
+        return {}
+    cats = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in c.items() if k != "per_position"}
+            for c in e["categories"]]
+    sweep = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
+             for r in sorted(e["verifier_alone"] + e["sweep"], key=lambda r: (r["concurrency"], r["k"]))]
+    return {"suite-acceptance": (cats, f"acceptance per suite and category at k={e['trained_k']} (vLLM's counters)"),
+            "serving-sweep": (sweep, f"{report.get('payoff')}; k=0 is the verifier alone")}

@@ -108,3 +108,32 @@ def acceptance_history(rows: list[dict], out: Path) -> Path | None:
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def serving_payoff(evaluation: dict, out: Path) -> Path | None:
+    """Left: output tokens/s at each concurrency, the verifier alone and the draft at each k; right: the speedup
+    (with the draft / alone) per k, with the break-even line at 1."""
+    alone = sorted(evaluation["verifier_alone"], key=lambda r: r["concurrency"])
+    if not alone:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot([r["concurrency"] for r in alone], [r["output_tokens_per_s"] for r in alone], "k-o", label="verifier alone")
+    for k in evaluation["k"]:
+        rows = sorted((r for r in evaluation["sweep"] if r["k"] == k), key=lambda r: r["concurrency"])
+        xs = [r["concurrency"] for r in rows]
+        ax1.plot(xs, [r["output_tokens_per_s"] for r in rows], "-o", label=f"draft, k={k}")
+        ax2.plot(xs, [r["speedup"] or 0 for r in rows], "-o", label=f"k={k}")
+    ax2.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    for ax, ylabel in ((ax1, "output tokens/s"), (ax2, "speedup over the verifier alone")):
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    host = evaluation["machine"].get("gpus") or evaluation["machine"].get("cpu")
+    fig.suptitle(f"vLLM serving benchmark on {host}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -48,3 +48,9 @@ def seen_rows(draft: Path) -> set[str]:
     if inputs.get("init"):
         rows |= seen_rows(Path(inputs["init"]))
     return rows
+
+
+def prompts_seen(draft: Path) -> set[str]:
+    """Prompt digests a draft and its warm-start ancestors trained on (empty for a draft with no eaglet record:
+    nothing known to leave out of an evaluation)."""
+    return set((read_lineage(draft) or {}).get("prompts", []))

