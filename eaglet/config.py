@@ -232,7 +232,7 @@ class SmokeParams(_Section):
 
 
 class EvalParams(_Section):
-    enabled: bool = Field(True, description="After the smoke test: acceptance per suite and category, and output "
+    enabled: bool = Field(True, description="After the smoke test (with smoke.enabled): acceptance per suite and category, and output "
                           "throughput and latency with and without the draft at each concurrency level and k "
                           "(vLLM servers under vLLM's serving benchmark).")
     suites: list[str] = Field(
@@ -241,9 +241,9 @@ class EvalParams(_Section):
                     "{\"prompt\", \"category\"} rows.")
     prompts_per_suite: int = Field(16, ge=1, le=100000, description="Prompts per suite, taken round-robin over "
                                    "its categories.")
-    max_tokens: int = Field(64, ge=1, le=8192, description="Tokens generated per request.")
+    max_tokens: int = Field(32, ge=1, le=8192, description="Tokens generated per request.")
     concurrency: list[Annotated[int, Field(ge=1, le=4096)]] | None = Field(
-        None, min_length=1, description="Concurrent requests at each load level. Empty: [1, 4, 16] on a CPU host, "
+        None, min_length=1, description="Concurrent requests at each load level. Empty: [1, 8] on a CPU host, "
         "[1, 8, 32, 128] on GPUs.")
     k: list[Annotated[int, Field(ge=1, le=31)]] | None = Field(
         None, min_length=1, description="Draft tokens per step to measure, each up to the trained k (one server "

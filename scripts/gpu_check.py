@@ -9,6 +9,9 @@ minutes on one GPU. `bash scripts/gpu_check.sh [OUT_DIR]`; the summary is OUT_DI
   4. training with eaglet's GPU defaults (flex attention, fused loss, bf16 states; torchrun when >1 GPU visible)
   5. the architecture's export (--architecture; EAGLE-3's flat vLLM config by default), validation, vLLM
      smoke-load: acceptance, lossless (float32)
+  6. the serving evaluation (eaglet.evaluate.serving): the built-in suites' acceptance per category, and output
+     throughput, TTFT and TPOT with and without the draft at each concurrency (--eval-levels), under vLLM's
+     serving benchmark (--no-eval skips it)
 
 --allow-cpu runs the same on CPU (vLLM's CPU backend, CPU training settings): the suite runs it that way so the
 script keeps working where no GPU is lent, with smaller sizes (--samples, --eval-prompts, --max-tokens, --epochs)
@@ -81,6 +84,11 @@ def compare(hf_dir: Path, vllm_dir: Path) -> dict:
             "relative_error_max": rel_max, "ok": cos_min >= MIN_COSINE and rel_max <= MAX_RELATIVE_ERROR}
 
 
+def _empty(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", nargs="?", default="out/gpu-check")
@@ -91,6 +99,8 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=2, help="training epochs")
     ap.add_argument("--architecture", default=None, help="the draft architecture (draft.architecture; default: the "
                     "config's)")
+    ap.add_argument("--no-eval", action="store_true", help="skip step 6, the serving evaluation")
+    ap.add_argument("--eval-levels", default="1,8,32,128", help="concurrency levels of step 6")
     ap.add_argument("--verifier", help="a tiny verifier already made by eaglet/verifier/tiny.py (default: make one)")
     args = ap.parse_args()
     out = Path(args.out).resolve()
@@ -178,8 +188,22 @@ def main() -> int:
                                                        max_model_len=512))
     summary["smoke"] = smoke.model_dump()
     summary["ok"] = bool(summary["hf_vs_vllm"]["ok"] and smoke.lossless and smoke.drafts > 0)
+    if not args.no_eval:
+        from eaglet.evaluate import serving
+
+        ecfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={
+            "concurrency": [int(c) for c in args.eval_levels.split(",")], "k": [arch.k(cfg)],
+            "max_tokens": args.max_tokens}), "data": cfg.data.model_copy(update={"max_seq_len": 448})})
+        alone = step("serving: the verifier alone", lambda: serving.measure_verifier_alone(
+            str(verifier), ecfg, _empty(out / "serving-alone")))
+        evaluation = step("serving: the draft", lambda: serving.evaluate_draft(
+            str(verifier), str(draft), arch.method, arch.k(cfg), ecfg, alone, _empty(out / "serving-draft")))
+        summary["serving"] = {k: evaluation[k] for k in ("suites", "categories", "sweep", "verifier_alone", "best",
+                                                         "crossover", "machine")}
+        summary["ok"] = summary["ok"] and all(s["lossless"] for s in evaluation["suites"])
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps({k: summary[k] for k in ("environment", "hf_vs_vllm", "smoke", "seconds", "ok")}, indent=2))
+    print(json.dumps({k: summary.get(k) for k in ("environment", "hf_vs_vllm", "smoke", "serving", "seconds", "ok")},
+                     indent=2))
     return 0 if summary["ok"] else 1
 
 

@@ -10,8 +10,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
 from eaglet.config import RunConfig
-from eaglet.report import acceptance_table, evaluation_tables, inline_images, write_outputs
-from eaglet.report.history import history_table
+from eaglet.report import inline_images, ui_tables, write_outputs
 from eaglet.report.loads import engine_loads
 from eaglet.verifier import VerifierInfo
 
@@ -40,25 +39,9 @@ def publish_report(output_dir: str) -> list[str]:
     keys = ["eaglet-report"]
     create_markdown_artifact(key="eaglet-report", markdown=inline_images((out / "report.md").read_text(), out),
                              description=f"train-eagle3 report ({out / 'report.md'})")
-    smoke = report.get("smoke")
-    if smoke:
-        create_table_artifact(
-            key="acceptance-per-position", table=acceptance_table(smoke),
-            description=f"vLLM, k={smoke['num_speculative_tokens']}, {smoke['num_prompts']} held-out prompts: "
-                        f"mean acceptance length {smoke['mean_acceptance_length']:.3f}",
-        )
-        keys.append("acceptance-per-position")
-    for key, (table, description) in evaluation_tables(report).items():
+    for key, (table, description) in ui_tables(report, out).items():
         create_table_artifact(key=key, table=table, description=description)
         keys.append(key)
-    hist = history_table(out)
-    if hist:
-        create_table_artifact(
-            key="draft-history", table=hist,
-            description=f"every draft kept in {out / 'drafts'}, oldest first; {out / 'current'} serves: "
-                        f"{(report.get('promotion') or {}).get('reason', '')}",
-        )
-        keys.append("draft-history")
     create_link_artifact(key="flat-draft", link=Path(report["draft_dir"]).as_uri(), link_text=report["draft_dir"],
                          description=(report.get("draft") or {}).get("served_form", "the draft vLLM loads"))
     keys.append("flat-draft")

@@ -57,7 +57,7 @@ def resolve_run_verifier(path: str, cfg: RunConfig) -> VerifierInfo:
     """The verifier's identity and shape, and every check that needs it (or the devices), before weights load."""
     capture.run_backend(cfg)  # an impossible backend / device / GPU count fails here, before any load
     smoke.check_load_format(cfg.smoke.load_format)
-    if cfg.eval.enabled:  # unknown or empty suites, k above the trained one: before any load
+    if cfg.smoke.enabled and cfg.eval.enabled:  # unknown or empty suites, k above the trained one: before any load
         serving.check(cfg, registry.for_run(cfg).k(cfg))
     info = resolve_verifier(path, cfg.verifier.aux_layer_ids, cfg.verifier.trust_remote_code)
     if cfg.verifier.endpoint:
@@ -297,10 +297,9 @@ def evaluate_draft(verifier: VerifierInfo, draft_dir: str, ckpt_dir: str, baseli
     arch = registry.for_run(cfg)
 
     def build(tmp: Path) -> None:
-        result = _progress("evaluation", "the draft under load", "runs", lambda progress: serving.evaluate_draft(
-            verifier.path, draft_dir, arch.method, arch.k(cfg), cfg, serving.read_verifier_alone(baseline_dir), tmp,
-            lineage.prompts_seen(Path(ckpt_dir)), progress))
-        get_run_logger().info(serving.payoff_sentence(result))
+        get_run_logger().info(serving.payoff_sentence(_progress("evaluation", "the draft under load", "runs",
+            lambda progress: serving.evaluate_draft(verifier.path, draft_dir, arch.method, arch.k(cfg), cfg,
+                serving.read_verifier_alone(baseline_dir), tmp, lineage.prompts_seen(Path(ckpt_dir)), progress))))
 
     with store.in_use(baseline_dir, draft_dir):
         return str(store.publish("evaluation", keys.evaluation_key(verifier, draft_dir, ckpt_dir, baseline_dir, cfg),

@@ -38,6 +38,7 @@ TINY_RUN = [
     "training.total_seq_len=1024",
     "smoke.num_prompts=16",
     "smoke.max_tokens=48",
+    "eval.enabled=false",  # the serving evaluation runs in the tests of tests/test_serving_e2e.py only
 ]
 
 

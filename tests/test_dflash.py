@@ -53,7 +53,7 @@ def test_dflash_trains_on_the_same_rows_and_vllm_serves_it(dflash_run, e2e_run):
     for kind in ("data", "hidden_states", "vocab", "baseline"):  # one capture, one vocabulary, one baseline
         assert r["artifacts"][kind] == first["artifacts"][kind], kind
     assert r["verifier_loads"] == 0 and "load-verifier" not in r["tasks"]
-    assert r["engine_loads"] == {"data": 0, "smoke": 1} and set(r["load_seconds"]) == {"smoke-test"}
+    assert r["engine_loads"] == {"data": 0, "smoke": 1, "evaluation": 0} and set(r["load_seconds"]) == {"smoke-test"}
     for name in ("prepare-data", "generate-and-capture", "build-vocab", "verifier-baseline"):
         assert r["tasks"][name]["state"] == "Cached", name
     assert r["tasks"]["train-draft"]["state"] == "Completed" and r["tasks"]["smoke-test"]["state"] == "Completed"

@@ -24,7 +24,7 @@ def test_report_has_the_promised_fields(e2e_run, tiny_verifier):
     assert r["verifier_loads"] == 1  # one engine generated the responses and captured their states
     # The data pass's engine also answered the held-out prompts (the kept baseline): the smoke-load started one
     # engine, the one with the draft.
-    assert r["engine_loads"] == {"data": 1, "smoke": 1}
+    assert r["engine_loads"] == {"data": 1, "smoke": 1, "evaluation": 0}
     assert set(r["load_seconds"]) == {"load-verifier", "smoke-test"}
     assert r["tasks"]["baseline-from-capture-engine"]["state"] == "Completed"
     assert r["tasks"]["verifier-baseline"]["state"] == "Cached" and r["baseline"]["engine"] == "capture"
@@ -183,7 +183,7 @@ def test_nightly_computes_only_new_rows_and_warm_starts(nightly, e2e_run):
     r, first = nightly["report"], e2e_run["report"]
     x = r["extraction"]
     assert (x["rows_computed"], x["rows_reused"]) == (len(NEW_PROMPTS), first["extraction"]["rows"])
-    assert r["verifier_loads"] == 1 and r["engine_loads"] == {"data": 1, "smoke": 1}  # the baseline is kept
+    assert r["verifier_loads"] == 1 and r["engine_loads"] == {"data": 1, "smoke": 1, "evaluation": 0}  # the baseline is kept
     assert r["tasks"]["verifier-baseline"]["state"] == "Cached"
     data, first_data = Path(r["artifacts"]["data"]), Path(first["artifacts"]["data"])
     assert (data / "eval.jsonl").read_text() == (first_data / "eval.jsonl").read_text()  # the same held-out rows
@@ -223,7 +223,7 @@ def test_unchanged_night_loads_nothing_and_the_gate_fails_it(nightly, tmp_path):
     proc = run_cli(["run", *nightly["sets"], "--set=smoke.min_acceptance=4.5", "--output-dir", str(nightly["out"])])
     assert proc.returncode == 2 and "quality gate: mean acceptance length" in proc.stderr, proc.stderr[-2000:]
     r = json.loads((nightly["out"] / "report.json").read_text())
-    assert r["verifier_loads"] == 0 and r["engine_loads"] == {"data": 0, "smoke": 0}
+    assert r["verifier_loads"] == 0 and r["engine_loads"] == {"data": 0, "smoke": 0, "evaluation": 0}
     assert "load-verifier" not in r["tasks"]
     unkeyed = ("resolve-verifier", "plan-capture", "plan-training", "validate-draft", "find-warm-start", "read-reference")
     assert all(t["state"] == "Cached" for name, t in r["tasks"].items() if name not in unkeyed), r["tasks"]

@@ -28,8 +28,9 @@ CI_PARAMS = {
     "draft": {"draft_vocab_size": 256},
     "training": {"epochs": 2, "total_seq_len": 1024},
     "smoke": {"num_prompts": 4, "max_tokens": 32},
+    "eval": {"enabled": False},  # the serving evaluation's own tests: tests/test_serving_e2e.py
 }
-SECTIONS = ("Verifier", "Data", "Extraction", "Draft", "Training", "Export", "Smoke")
+SECTIONS = ("Verifier", "Data", "Extraction", "Draft", "Training", "Export", "Smoke", "Eval")
 
 
 def _free_port() -> int:

@@ -24,11 +24,11 @@ from eaglet.vllm import run_job, vllm_env
 
 VERIFIER_ALONE_FILE = "serving.json"
 EVALUATION_FILE = "evaluation.json"
-CPU_LEVELS, GPU_LEVELS = [1, 4, 16], [1, 8, 32, 128]
+CPU_LEVELS, GPU_LEVELS = [1, 8], [1, 8, 32, 128]
 
 
 def levels(cfg, on_gpu: bool | None = None) -> list[int]:
-    """eval.concurrency, or the defaults for this host (2 CPU cores saturate near 16 requests; a GPU much later);
+    """eval.concurrency, or the defaults for this host (a few CPU cores are saturated by 8 requests; a GPU much later);
     the target concurrency is always measured."""
     if cfg.eval.concurrency:
         out = list(cfg.eval.concurrency)
@@ -59,8 +59,8 @@ def check(cfg, trained_k: int) -> list[Suite]:
 
 def requests_at(level: int) -> int:
     """Requests sent at a concurrency level: two waves of it (the first fills the batch, the second measures it
-    full), at least 8."""
-    return max(8, 2 * level)
+    full), at least 4."""
+    return max(4, 2 * level)
 
 
 def max_model_len(cfg) -> int:
@@ -72,29 +72,31 @@ def _write_jsonl(path: Path, prompts: list[str]) -> str:
     return str(path)
 
 
-def _plan(suites: list[Suite], cfg, levels_: list[int], work: Path, texts: bool, left_out: set[str]) -> dict:
-    """The runs of one server: a run per suite and category (greedy texts kept for the lossless check), then one per
-    concurrency level over all suites' prompts interleaved."""
+def _plan(suites: list[Suite], cfg, levels_: list[int], work: Path, left_out: set[str], per_category: bool) -> dict:
+    """The runs of one server: the suites' prompts with their greedy texts kept (the lossless check), one run per
+    suite and category when its acceptance is measured (vLLM's counters are per run), else one run for all; then one
+    run per concurrency level over all suites' prompts interleaved."""
     work.mkdir(parents=True, exist_ok=True)
-    runs, groups, mixed = [], {}, []
+    runs, groups, per_suite = [], {}, []
     for s in suites:
-        for cat in s.categories:
-            prompts = [p for p in s.prompts if p.category == cat and p.digest not in left_out]
-            if not prompts:
-                continue
-            name = f"suite/{s.name}/{cat}"
-            groups[name] = {"suite": s.name, "category": cat, "digests": [p.digest for p in prompts]}
-            runs.append({"name": name, "dataset": _write_jsonl(work / f"{s.name}-{len(groups)}.jsonl",
-                                                               [p.prompt for p in prompts]),
-                         "num_prompts": len(prompts), "concurrency": min(len(prompts), max(levels_)),
-                         "max_tokens": cfg.eval.max_tokens, "texts": texts})
-    per_suite = [[p.prompt for p in s.prompts if p.digest not in left_out] for s in suites]
-    for i in range(max(map(len, per_suite), default=0)):
-        mixed += [ps[i] for ps in per_suite if i < len(ps)]
+        kept = [p for p in s.prompts if p.digest not in left_out]
+        per_suite.append(kept)
+        for cat in s.categories if per_category else []:
+            prompts = [p for p in kept if p.category == cat]
+            if prompts:
+                groups[f"suite/{s.name}/{cat}"] = {"suite": s.name, "category": cat, "prompts": prompts}
+    mixed = [ps[i] for i in range(max(map(len, per_suite), default=0)) for ps in per_suite if i < len(ps)]
     if not mixed:
         raise EagletError("every evaluation prompt was seen in training by this draft or its lineage: add suites "
                           "it never trained on (eval.suites)")
-    sweep = _write_jsonl(work / "sweep.jsonl", mixed)
+    if not per_category:
+        groups["suites"] = {"suite": None, "category": None, "prompts": mixed}
+    for i, (name, g) in enumerate(groups.items()):
+        runs.append({"name": name, "dataset": _write_jsonl(work / f"texts-{i}.jsonl", [p.prompt for p in g["prompts"]]),
+                     "num_prompts": len(g["prompts"]), "concurrency": min(len(g["prompts"]), max(levels_)),
+                     "max_tokens": cfg.eval.max_tokens, "texts": True})
+        g["digests"] = [p.digest for p in g.pop("prompts")]
+    sweep = _write_jsonl(work / "sweep.jsonl", [p.prompt for p in mixed])
     for c in levels_:
         runs.append({"name": f"level/{c}", "dataset": sweep, "num_prompts": requests_at(c), "concurrency": c,
                      "max_tokens": cfg.eval.max_tokens, "texts": False})
@@ -125,7 +127,7 @@ def measure_verifier_alone(verifier: str, cfg, out: Path, progress=None) -> dict
     digest, the sweep's rows), with when and where it was measured."""
     suites = load_suites(cfg.eval.suites, cfg.eval.prompts_per_suite)
     lv = levels(cfg)
-    plan = _plan(suites, cfg, lv, out / "prompts", texts=True, left_out=set())
+    plan = _plan(suites, cfg, lv, out / "prompts", left_out=set(), per_category=False)
     result = _serve(verifier, cfg, plan["runs"], progress)
     texts = {}
     for name, g in plan["groups"].items():
@@ -162,7 +164,7 @@ def evaluate_draft(verifier: str, draft: str, method: str, trained_k: int, cfg, 
     lv, ks = levels(cfg), k_values(cfg, trained_k)
     left_out = left_out or set()
     excluded = {s.name: sum(p.digest in left_out for p in s.prompts) for s in suites}
-    plan = _plan(suites, cfg, lv, out / "prompts", texts=True, left_out=left_out)
+    plan = _plan(suites, cfg, lv, out / "prompts", left_out=left_out, per_category=True)
     suite_runs = [r for r in plan["runs"] if r["name"].startswith("suite/")]
     level_runs = [r for r in plan["runs"] if r["name"].startswith("level/")]
     rows, per_group, load_seconds, done = [], {}, {}, 0

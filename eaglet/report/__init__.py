@@ -236,8 +236,8 @@ def _evaluation_lines(e: dict | None, payoff: str | None, plots: dict, params: d
     for r in sorted(e["verifier_alone"] + e["sweep"], key=lambda r: (r["concurrency"], r["k"])):
         lines.append(f"| {r['concurrency']} | {r['k'] or 'alone'} | {f(r['output_tokens_per_s'])} | "
                      f"{f(r.get('speedup'), '.2f')} | {f(r.get('acceptance_length'), '.2f')} | "
-                     f"{f(r['ttft_ms_p50'])} / {f(r['ttft_ms_p99'])} | {f(r['tpot_ms_p50'], '.1f')} / "
-                     f"{f(r['tpot_ms_p99'], '.1f')} |")
+                     f"{f(r.get('ttft_ms_p50'))} / {f(r.get('ttft_ms_p99'))} | {f(r.get('tpot_ms_p50'), '.1f')} / "
+                     f"{f(r.get('tpot_ms_p99'), '.1f')} |")
     lines += ["", "- best k per concurrency: " + ", ".join(f"{c}: k={b['k']} ({b['speedup']:.2f}x)"
                                                           for c, b in e["best"].items()),
               "- crossover: " + (f"from concurrency {e['crossover']} no k pays" if e["crossover"] else
@@ -409,6 +409,22 @@ def acceptance_table(smoke: dict) -> list[dict]:
     """The smoke test's acceptance per position as table rows (the UI's acceptance-per-position)."""
     return [{"position": i + 1, "acceptance": round(a, 4), "accepted": round(a * smoke["drafts"]),
              "drafts": smoke["drafts"]} for i, a in enumerate(smoke["acceptance_per_position"])]
+
+
+def ui_tables(report: dict, out: Path) -> dict[str, tuple[list[dict], str]]:
+    """The report's tables for the Prefect UI: key -> (rows, description)."""
+    tables = {}
+    smoke = report.get("smoke")
+    if smoke:
+        tables["acceptance-per-position"] = (acceptance_table(smoke), (
+            f"vLLM, k={smoke['num_speculative_tokens']}, {smoke['num_prompts']} held-out prompts: mean acceptance "
+            f"length {smoke['mean_acceptance_length']:.3f}"))
+    tables |= evaluation_tables(report)
+    hist = history.history_table(out)
+    if hist:
+        tables["draft-history"] = (hist, f"every draft kept in {out / 'drafts'}, oldest first; {out / 'current'} "
+                                         f"serves: {(report.get('promotion') or {}).get('reason', '')}")
+    return tables
 
 
 def evaluation_tables(report: dict) -> dict[str, tuple[list[dict], str]]:
