@@ -48,6 +48,10 @@ NOT_IN_KEYS = {
     "extraction.workers": "how many, not what: the shards' files are the same (test_distributed.py)",
     "extraction.scheduler_address": "where, not what",
     "draft.like": "enters as the reference's content (test_reference_content_is_in_the_training_key)",
+    "eval.enabled": "whether the serving evaluation runs, not what it measures",
+    "eval.target_concurrency": "a gate on the evaluation's figures (a target outside eval.concurrency is measured "
+                               "too, as a level: eval.concurrency's entry covers the levels)",
+    "smoke.min_speedup": "a gate on the evaluation's figures: a stricter gate re-judges a cached evaluation",
 }
 
 
@@ -74,6 +78,9 @@ def _chain(cfg: RunConfig, verifier: VerifierInfo, data_file: str, init: str | N
     keys["draft_flat"] = key_fns.export_key(verifier, keys["draft_ckpt"], cfg)
     keys["baseline"] = key_fns.baseline_key(verifier, keys["data"], cfg)
     keys["smoke"] = key_fns.smoke_key(verifier, keys["draft_flat"], keys["data"], keys["baseline"], cfg)
+    keys["serving_baseline"] = key_fns.serving_baseline_key(verifier, cfg)
+    keys["evaluation"] = key_fns.evaluation_key(verifier, keys["draft_flat"], keys["draft_ckpt"],
+                                                keys["serving_baseline"], cfg)
     return keys
 
 
@@ -99,6 +106,7 @@ IN_KEYS = [
     "training.ttt_step_loss_decay",
     "export.layer_prefix", "export.serving_id", "export.keep_embeddings",
     "smoke.enabled", "smoke.num_speculative_tokens", "smoke.max_tokens", "smoke.num_prompts", "smoke.dtype",
+    "eval.suites", "eval.prompts_per_suite", "eval.max_tokens", "eval.concurrency", "eval.k",
 ]
 
 
@@ -108,7 +116,8 @@ AUTO_RESOLVED = {
     "extraction.engine_dtype": lambda cfg: capture_engine_dtype(cfg),
 }
 OTHER_VALUE = {"training.loss": "ce", "extraction.disk_budget_gb": 2.5,  # valid values of free-form fields
-               "draft.architecture": "dflash", "dflash.num_layers": 2}
+               "draft.architecture": "dflash", "dflash.num_layers": 2,
+               "eval.suites": ["math"], "eval.concurrency": [1, 2], "eval.k": [1]}
 
 
 def _other_value(model, name, value, where=""):

@@ -317,6 +317,9 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
     promotion = history.decide(out, draft_key, smoke, comparison, failure)
     draft = publish_dir(_copy_artifact(Path(artifacts["draft"])), out / "draft")
     spec = publish_dir(_copy_artifact(Path(artifacts["checkpoint"])), out / "draft-speculators")
+    if evaluation:  # the k to serve, judged at this run's target and for this directory's draft
+        evaluation |= serving.payoff(evaluation["sweep"], evaluation["verifier_alone"], str(draft),
+                                     evaluation["method"], params.eval.target_concurrency)
     report = {
         "verifier": verifier.model_dump(),
         "draft_dir": str(draft),
@@ -345,8 +348,7 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
         "config_difference": config_difference(json.loads((spec / "config.json").read_text()),
                                                json.loads((draft / "config.json").read_text())),
         "plots": make_plots(out, artifacts["checkpoint"], smoke, evaluation),
-        "evaluation": evaluation and evaluation | {"speculative_config": evaluation["speculative_config"]
-                                                   | {"model": str(draft)}},
+        "evaluation": evaluation,
         "payoff": serving.payoff_sentence(evaluation) if evaluation else None,
     }
     baseline = {}
