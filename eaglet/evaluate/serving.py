@@ -162,6 +162,7 @@ def evaluate_draft(verifier: str, draft: str, method: str, trained_k: int, cfg, 
     left_out: prompt digests the draft or its lineage trained on (reported, never measured)."""
     suites = load_suites(cfg.eval.suites, cfg.eval.prompts_per_suite)
     lv, ks = levels(cfg), k_values(cfg, trained_k)
+    suite_k = max(ks)  # acceptance per suite and category: at the largest k measured (the trained one by default)
     left_out = left_out or set()
     excluded = {s.name: sum(p.digest in left_out for p in s.prompts) for s in suites}
     plan = _plan(suites, cfg, lv, out / "prompts", left_out=left_out, per_category=True)
@@ -170,13 +171,13 @@ def evaluate_draft(verifier: str, draft: str, method: str, trained_k: int, cfg, 
     rows, per_group, load_seconds, done = [], {}, {}, 0
     total = len(suite_runs) + len(ks) * len(level_runs)
     for k in ks:  # one server per k: vLLM fixes num_speculative_tokens when the engine starts
-        runs = (suite_runs if k == trained_k else []) + level_runs
+        runs = (suite_runs if k == suite_k else []) + level_runs
         step = (lambda d, _t, rate, before=done: progress(before + d, total, rate)) if progress else None
         res = _serve(verifier, cfg, runs, step, draft=draft, method=method, k=k)
         done += len(runs)
         load_seconds[k] = res["load_seconds"]
         rows += [_level_row(k, c, res["runs"][f"level/{c}"]) for c in lv]
-        if k == trained_k:
+        if k == suite_k:
             per_group = {n: res["runs"][n] for n in plan["groups"]}
     groups = []
     for name, g in plan["groups"].items():
@@ -190,7 +191,7 @@ def evaluate_draft(verifier: str, draft: str, method: str, trained_k: int, cfg, 
         runs = [per_group[n] for n, g in plan["groups"].items() if g["suite"] == s.name]
         per_suite.append({"suite": s.name, "source": s.source, "prompts": sum(g["prompts"] for g in gs),
                           "left_out": excluded[s.name], "lossless": all(g["lossless"] for g in gs), **_acceptance(runs)})
-    result = {"method": method, "trained_k": trained_k, "k": ks, "levels": lv, "suites": per_suite, "categories": groups,
+    result = {"method": method, "trained_k": trained_k, "suite_k": suite_k, "k": ks, "levels": lv, "suites": per_suite, "categories": groups,
               "sweep": rows, "verifier_alone": verifier_alone["levels"], "load_seconds": load_seconds,
               "engine_loads": len(ks), "machine": machine_kind(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     result |= payoff(rows, verifier_alone["levels"], draft, method, cfg.eval.target_concurrency)

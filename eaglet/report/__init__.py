@@ -225,7 +225,7 @@ def _evaluation_lines(e: dict | None, payoff: str | None, plots: dict, params: d
     for s in e["suites"]:
         lines.append(f"| {s['suite']} | {s['prompts']} | {s['left_out']} | {s['mean_acceptance_length']:.3f} | "
                      + ", ".join(f"{a:.2f}" for a in s["per_position"]) + f" | {s['lossless']} |")
-    lines += ["", f"Per category (k = {e['trained_k']}):", "", "| suite | category | prompts | mean acceptance | "
+    lines += ["", f"Per category (k = {e.get('suite_k', e['trained_k'])}):", "", "| suite | category | prompts | mean acceptance | "
               "per position | lossless |", "|---|---|---:|---:|---|---|"]
     for c in e["categories"]:
         lines.append(f"| {c['suite']} | {c['category']} | {c['prompts']} | {c['mean_acceptance_length']:.3f} | "
@@ -438,5 +438,5 @@ def evaluation_tables(report: dict) -> dict[str, tuple[list[dict], str]]:
             for c in e["categories"]]
     sweep = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
              for r in sorted(e["verifier_alone"] + e["sweep"], key=lambda r: (r["concurrency"], r["k"]))]
-    return {"suite-acceptance": (cats, f"acceptance per suite and category at k={e['trained_k']} (vLLM's counters)"),
+    return {"suite-acceptance": (cats, f"acceptance per suite and category at k={e.get('suite_k', e['trained_k'])} (vLLM's counters)"),
             "serving-sweep": (sweep, f"{report.get('payoff')}; k=0 is the verifier alone")}
