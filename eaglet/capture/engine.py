@@ -15,7 +15,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from eaglet.errors import EagletError
 from eaglet.vllm.process import stop_group
 from eaglet.verifier.devices import on_accelerator
 from eaglet.vllm import vllm_env
+from eaglet.vllm.server import free_port, healthy
 from eaglet.evaluate.smoke import smoke_max_model_len
 from eaglet.verifier.devices import visible_accelerators
 
@@ -113,12 +113,6 @@ def server_argv(verifier: str, name: str, layers: list[int], storage: Path, max_
     return argv
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def start_engine(verifier: str, fingerprint: str, layers: list[int], storage: Path, max_model_len: int,
                  tensor_parallel_size: int = 1, device: str = "auto", trust_remote_code: bool = False,
                  host: str = "127.0.0.1", port: int | None = None, timeout: float = 3600,
@@ -165,15 +159,6 @@ def stop_engine(engine: Engine) -> None:
         return
     stop_group(engine.pid)
     engine.pid = None
-
-
-def healthy(endpoint: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(f"{endpoint}/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _tail(path: Path, lines: int = 40) -> str:

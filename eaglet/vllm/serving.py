@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
+from eaglet.vllm.server import free_port, healthy
 from eaglet.vllm.worker import report, serve
 
 SERVED_NAME = "eaglet-eval"
@@ -53,31 +53,17 @@ def bench_argv(job: dict, run: dict, port: int) -> list[str]:
 
 
 def _wait(proc: subprocess.Popen, port: int, timeout: float) -> None:
-    import urllib.request
-
     t0 = time.monotonic()
-    while True:
+    while not healthy(f"http://127.0.0.1:{port}"):
         if proc.poll() is not None:
             raise RuntimeError(f"the vLLM server exited (code {proc.returncode}) while loading")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
         if time.monotonic() - t0 > timeout:
             raise RuntimeError(f"the vLLM server did not answer within {timeout:.0f} s")
         time.sleep(0.5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(job: dict) -> dict:
-    port = job.get("port") or _free_port()
+    port = job.get("port") or free_port()
     t0 = time.perf_counter()
     server = subprocess.Popen(server_argv(job, port), env=job.get("server_env") or dict(os.environ))
     try:
