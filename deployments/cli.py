@@ -60,7 +60,7 @@ def _quiet_user_errors() -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     params = load_config(args.config, args.set)  # invalid parameters fail here, before Prefect starts
     arch = registry.for_run(params)  # and settings that do not fit the draft architecture
-    if params.smoke.enabled and params.eval.enabled:
+    if params.evaluates:
         serving.check(params, arch.k(params))  # suites that do not exist or are empty, k above the trained one
     _prefect_env()
     from flows.train_eagle3 import train_eagle3  # imports Prefect, which reads its settings at import: set first

@@ -274,6 +274,11 @@ class RunConfig(_Section):
     smoke: SmokeParams = Field(default_factory=SmokeParams)
     eval: EvalParams = Field(default_factory=EvalParams)
 
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run measures the serving payoff: after the smoke test, so both must be enabled."""
+        return self.smoke.enabled and self.eval.enabled
+
     @field_validator("verifier")
     @classmethod
     def _aux_ids_unique(cls, v: VerifierParams) -> VerifierParams:

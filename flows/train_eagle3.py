@@ -98,7 +98,7 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
         if params.smoke.enabled:
             artifacts["baseline"] = run("verifier-baseline", stages.verifier_baseline, verifier, data_dir, params)
             smoke = run("smoke-test", stages.smoke_test_run, verifier, draft_dir, data_dir, artifacts["baseline"], params)
-        if params.smoke.enabled and params.eval.enabled:  # is it worth serving: suites, concurrency levels, k (vLLM's serving benchmark)
+        if params.evaluates:  # is it worth serving: suites, concurrency levels, k (vLLM's serving benchmark)
             artifacts["serving_baseline"] = run("verifier-serving", stages.verifier_serving, verifier, params)
             artifacts["evaluation"] = run("evaluate-draft", stages.evaluate_draft, verifier, draft_dir, ckpt_dir,
                                           artifacts["serving_baseline"], params)

@@ -10,7 +10,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
 from eaglet.config import RunConfig
-from eaglet.report import inline_images, ui_tables, write_outputs
+from eaglet.report import inline_images, ui_links, ui_tables, write_outputs
 from eaglet.report.loads import engine_loads
 from eaglet.verifier import VerifierInfo
 
@@ -27,8 +27,7 @@ def report_and_promote(output_dir: str, params: RunConfig, verifier: VerifierInf
                            engine_loads=loads, comparison=comparison, warm_start=warm_start)
     publish_report(str(Path(output_dir).resolve()))
     get_run_logger().info(f"verifier loads {loads['data']}, smoke engines {loads['smoke']}, evaluation servers "
-                          f"{loads['evaluation']}; "
-                          f"{report['promotion']['reason']}")
+                          f"{loads['evaluation']}; {report['promotion']['reason']}")
     return report
 
 
@@ -42,11 +41,7 @@ def publish_report(output_dir: str) -> list[str]:
     for key, (table, description) in ui_tables(report, out).items():
         create_table_artifact(key=key, table=table, description=description)
         keys.append(key)
-    create_link_artifact(key="flat-draft", link=Path(report["draft_dir"]).as_uri(), link_text=report["draft_dir"],
-                         description=(report.get("draft") or {}).get("served_form", "the draft vLLM loads"))
-    keys.append("flat-draft")
-    for name, file in (report.get("plots") or {}).items():
-        create_link_artifact(key=f"plot-{name}", link=(out / file).resolve().as_uri(), link_text=file,
-                             description=f"{name} plot (PNG, also inline in the report)")
-        keys.append(f"plot-{name}")
+    for key, (link, text, description) in ui_links(report, out).items():
+        create_link_artifact(key=key, link=link, link_text=text, description=description)
+        keys.append(key)
     return keys

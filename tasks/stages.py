@@ -36,7 +36,6 @@ VLLM_RETRY = dict(retries=1, retry_delay_seconds=10, retry_condition_fn=_not_use
 
 
 # --- inputs ---------------------------------------------------------------------------------------------------
-
 @task(name="convert-embedded-verifier", persist_result=True,
       cache_policy=ArtifactKey("verifier", lambda **_: keys.embedded_key()))
 def convert_embedded_verifier(aux_layer_ids: list[int] | None, draft_vocab_size: int) -> str:
@@ -57,14 +56,13 @@ def resolve_run_verifier(path: str, cfg: RunConfig) -> VerifierInfo:
     """The verifier's identity and shape, and every check that needs it (or the devices), before weights load."""
     capture.run_backend(cfg)  # an impossible backend / device / GPU count fails here, before any load
     smoke.check_load_format(cfg.smoke.load_format)
-    if cfg.smoke.enabled and cfg.eval.enabled:  # unknown or empty suites, k above the trained one: before any load
+    if cfg.evaluates:  # unknown or empty suites, k above the trained one: before any load
         serving.check(cfg, registry.for_run(cfg).k(cfg))
     info = resolve_verifier(path, cfg.verifier.aux_layer_ids, cfg.verifier.trust_remote_code)
     if cfg.verifier.endpoint:
         engines.attach_for_run(info, cfg)  # a wrong or unreachable endpoint is refused here, before any work
     registry.check_run(info, cfg)
-    get_run_logger().info(f"verifier {info.model_type}: {info.num_layers} layers, hidden {info.hidden_size}, vocab "
-                          f"{info.vocab_size}, aux ids {info.aux_layer_ids}, fingerprint {info.fingerprint}")
+    get_run_logger().info(info.summary())
     return info
 
 
@@ -81,7 +79,6 @@ def prepare_data(data_file: str, cfg: RunConfig) -> str:
 
 
 # --- the data pass, backend vllm: one engine answers and captures ---------------------------------------------
-
 @task(name="plan-capture")
 def plan_capture(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> dict:
     """{"backend", "to_compute", "plan"}: the data pass's backend; for vllm, the rows tokenized once and those the
@@ -143,7 +140,6 @@ def baseline_from_capture_engine(verifier: VerifierInfo, data_dir: str, fleet, c
 
 
 # --- the data pass, backend hf: regenerate-responses (vLLM) then extract-hidden-states (transformers) ----------
-
 @task(name="regenerate-responses", cache_policy=ArtifactKey("responses", keys.regen_key), persist_result=True,
       retries=2, retry_delay_seconds=[10, 60], retry_condition_fn=_not_user_error)
 def regenerate_responses(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
@@ -177,7 +173,6 @@ def extract_hidden_states(verifier: VerifierInfo, conversations_dir: str, cfg: R
 
 
 # --- vocabulary and training ----------------------------------------------------------------------------------
-
 @task(name="find-warm-start")
 def find_warm_start(verifier: VerifierInfo, states_dir: str, data_dir: str, cfg: RunConfig) -> dict:
     """training.init resolved (eaglet.train.warm_start: never a draft whose lineage saw a held-out prompt)."""
@@ -196,8 +191,7 @@ def build_vocab(verifier: VerifierInfo, states_dir: str, init_dir: str | None, c
         stats = vocab.build_for_run(Path(states_dir), cfg.draft.draft_vocab_size, verifier.vocab_size, tmp,
                                     Path(init_dir) if init_dir else None)
         store.write_stats(tmp, dict(stats))
-        get_run_logger().info(f"draft vocab {stats['draft_vocab_size']} covers {stats['coverage']:.1%} of training "
-                              "tokens" + (" (kept from the warm start)" if init_dir else ""))
+        get_run_logger().info(vocab.summary(stats, kept=init_dir is not None))
 
     return str(store.publish("vocab", keys.vocab_key(verifier, states_dir, init_dir, cfg), build))
 
@@ -239,7 +233,6 @@ def stop_verifier(fleet: list[engines.Engine]) -> None:
 
 
 # --- export, validation, smoke --------------------------------------------------------------------------------
-
 @task(name="export-draft", cache_policy=ArtifactKey(keys.export_kind, keys.export_key), persist_result=True)
 def export_draft(verifier: VerifierInfo, ckpt_dir: str, cfg: RunConfig) -> str:
     """speculators' checkpoint into what vLLM loads (the architecture's export), checked before it is published."""
@@ -275,9 +268,7 @@ def smoke_test_run(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseli
     arch = registry.for_run(cfg)
     with store.in_use(baseline_dir):
         result = smoke.smoke_for_run(verifier.path, draft_dir, data_dir, baseline_dir, cfg, arch.method, arch.k(cfg))
-    get_run_logger().info(f"{result.method} draft: mean acceptance length {result.mean_acceptance_length:.3f} at "
-                          f"k={result.num_speculative_tokens}, lossless={result.lossless} (verifier alone measured "
-                          f"{result.baseline_measured})")
+    get_run_logger().info(smoke.summary(result))
     return result.model_dump()
 
 
@@ -297,9 +288,10 @@ def evaluate_draft(verifier: VerifierInfo, draft_dir: str, ckpt_dir: str, baseli
     arch = registry.for_run(cfg)
 
     def build(tmp: Path) -> None:
-        get_run_logger().info(serving.payoff_sentence(_progress("evaluation", "the draft under load", "runs",
-            lambda progress: serving.evaluate_draft(verifier.path, draft_dir, arch.method, arch.k(cfg), cfg,
-                serving.read_verifier_alone(baseline_dir), tmp, lineage.prompts_seen(Path(ckpt_dir)), progress))))
+        result = _progress("evaluation", "the draft under load", "runs", lambda progress: serving.evaluate_for_run(
+            verifier.path, draft_dir, baseline_dir, arch.method, arch.k(cfg), cfg, tmp,
+            lineage.prompts_seen(Path(ckpt_dir)), progress))
+        get_run_logger().info(serving.payoff_sentence(result))
 
     with store.in_use(baseline_dir, draft_dir):
         return str(store.publish("evaluation", keys.evaluation_key(verifier, draft_dir, ckpt_dir, baseline_dir, cfg),

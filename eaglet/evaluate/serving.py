@@ -149,11 +149,13 @@ def _acceptance(runs: list[dict]) -> dict:
     """Mean acceptance length and per-position rates over runs, weighted by their drafts (vLLM's counters)."""
     drafts = sum(r.get("spec_decode_num_drafts") or 0 for r in runs)
     accepted = sum(r.get("spec_decode_accepted_tokens") or 0 for r in runs)
-    width = max((len(r.get("spec_decode_per_position_acceptance_rates") or []) for r in runs), default=0)
-    per_pos = [sum((r.get("spec_decode_per_position_acceptance_rates") or [0] * width)[i] * (r.get(
-        "spec_decode_num_drafts") or 0) for r in runs) / drafts if drafts else 0.0 for i in range(width)]
-    return {"mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0, "per_position": per_pos,
-            "drafts": drafts}
+    per_pos: list[float] = []  # accepted tokens at each position, summed over the runs
+    for r in runs:
+        for i, rate in enumerate(r.get("spec_decode_per_position_acceptance_rates") or []):
+            per_pos += [0.0] * (i + 1 - len(per_pos))
+            per_pos[i] += rate * (r.get("spec_decode_num_drafts") or 0)
+    return {"mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+            "per_position": [a / drafts if drafts else 0.0 for a in per_pos], "drafts": drafts}
 
 
 def evaluate_draft(verifier: str, draft: str, method: str, trained_k: int, cfg, verifier_alone: dict, out: Path,
@@ -191,12 +193,20 @@ def evaluate_draft(verifier: str, draft: str, method: str, trained_k: int, cfg, 
         runs = [per_group[n] for n, g in plan["groups"].items() if g["suite"] == s.name]
         per_suite.append({"suite": s.name, "source": s.source, "prompts": sum(g["prompts"] for g in gs),
                           "left_out": excluded[s.name], "lossless": all(g["lossless"] for g in gs), **_acceptance(runs)})
-    result = {"method": method, "trained_k": trained_k, "suite_k": suite_k, "k": ks, "levels": lv, "suites": per_suite, "categories": groups,
-              "sweep": rows, "verifier_alone": verifier_alone["levels"], "load_seconds": load_seconds,
+    result = {"method": method, "trained_k": trained_k, "suite_k": suite_k, "k": ks, "levels": lv,
+              "suites": per_suite, "categories": groups, "sweep": rows, "verifier_alone": verifier_alone["levels"], "load_seconds": load_seconds,
               "engine_loads": len(ks), "machine": machine_kind(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     result |= payoff(rows, verifier_alone["levels"], draft, method, cfg.eval.target_concurrency)
     (out / EVALUATION_FILE).write_text(json.dumps(result, indent=1))
     return result
+
+
+def evaluate_for_run(verifier: str, draft: str, verifier_alone_dir: str | Path, method: str, trained_k: int, cfg,
+                     out: Path, left_out: set[str], progress=None) -> dict:
+    """The run's evaluation: the draft against the kept verifier-alone artifact (method and k are the draft
+    architecture's, DraftArchitecture.method and .k)."""
+    return evaluate_draft(verifier, draft, method, trained_k, cfg, read_verifier_alone(verifier_alone_dir), out,
+                          left_out, progress)
 
 
 def payoff(rows: list[dict], alone: list[dict], draft: str, method: str, target: int | None) -> dict:

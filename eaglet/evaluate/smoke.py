@@ -170,6 +170,12 @@ def smoke_test(
     )
 
 
+def summary(result: SmokeResult) -> str:
+    return (f"{result.method} draft: mean acceptance length {result.mean_acceptance_length:.3f} at "
+            f"k={result.num_speculative_tokens}, lossless={result.lossless} (verifier alone measured "
+            f"{result.baseline_measured})")
+
+
 def held_out_prompts(data_dir: str | Path, cfg) -> list[list[dict]]:
     """The smoke test's prompts: the first smoke.num_prompts held-out rows of a run's data artifact."""
     return load_prompts(Path(data_dir) / "eval.jsonl", cfg.smoke.num_prompts)

@@ -429,6 +429,15 @@ def ui_tables(report: dict, out: Path) -> dict[str, tuple[list[dict], str]]:
     return tables
 
 
+def ui_links(report: dict, out: Path) -> dict[str, tuple[str, str, str]]:
+    """The report's links for the Prefect UI: key -> (URI, link text, description): the draft, each plot."""
+    links = {"flat-draft": (Path(report["draft_dir"]).as_uri(), report["draft_dir"],
+                            (report.get("draft") or {}).get("served_form", "the draft vLLM loads"))}
+    for name, file in (report.get("plots") or {}).items():
+        links[f"plot-{name}"] = ((out / file).resolve().as_uri(), file, f"{name} plot (PNG, also inline in the report)")
+    return links
+
+
 def evaluation_tables(report: dict) -> dict[str, tuple[list[dict], str]]:
     """The UI's tables of the evaluation: key -> (rows, description)."""
     e = report.get("evaluation")

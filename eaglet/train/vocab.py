@@ -60,3 +60,9 @@ def build_for_run(states_dir: Path, draft_vocab_size: int, verifier_vocab_size: 
     if init is not None:
         return kept_vocab_mapping(warm_start_weights(init), freq, draft_vocab_size, out)
     return build_vocab_mapping(freq, draft_vocab_size, verifier_vocab_size, out)
+
+
+def summary(stats: dict, kept: bool) -> str:
+    """A vocabulary's build in a log line (kept: a warm start's own mapping)."""
+    return (f"draft vocab {stats['draft_vocab_size']} covers {stats['coverage']:.1%} of training tokens"
+            + (" (kept from the warm start)" if kept else ""))

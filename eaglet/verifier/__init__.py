@@ -31,6 +31,10 @@ class VerifierInfo(BaseModel):
     trust_remote_code: bool = False
     nested_text_config: bool = False
 
+    def summary(self) -> str:
+        return (f"verifier {self.model_type}: {self.num_layers} layers, hidden {self.hidden_size}, vocab "
+                f"{self.vocab_size}, aux ids {self.aux_layer_ids}, fingerprint {self.fingerprint}")
+
 
 def read_config_dict(path: Path) -> dict:
     cfg_file = path / "config.json"
