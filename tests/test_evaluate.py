@@ -75,19 +75,21 @@ def _rows(alone: dict, draft: dict) -> tuple[list[dict], list[dict]]:
 def test_payoff_best_k_and_crossover():
     rows, base = _rows({1: 60, 4: 150, 16: 400}, {(1, 1): 66, (3, 1): 84, (1, 4): 160, (3, 4): 140,
                                                   (1, 16): 300, (3, 16): 250})
-    p = serving.payoff(rows, base, "/d", "eagle3", target=None)
+    rows = serving.with_speedup(rows, base)
+    p = serving.payoff(rows, "/d", "eagle3", target=None)
     assert p["best"]["1"] == {"k": 3, "speedup": 1.4} and p["best"]["4"]["k"] == 1
     assert p["pays_at"] == [1, 4] and p["crossover"] == 16
     assert p["serve_at"] == 1 and p["speculative_config"] == {"method": "eagle3", "model": "/d",
                                                               "num_speculative_tokens": 3}
-    assert serving.payoff(rows, base, "/d", "eagle3", target=4)["speculative_config"]["num_speculative_tokens"] == 1
+    assert serving.payoff(rows, "/d", "eagle3", target=4)["speculative_config"]["num_speculative_tokens"] == 1
 
 
 def _evaluation(speedups: dict[int, float]) -> dict:
     rows, base = _rows({c: 100.0 for c in speedups}, {(3, c): 100.0 * s for c, s in speedups.items()})
+    rows = serving.with_speedup(rows, base)
     return {"method": "eagle3", "trained_k": 3, "k": [3], "levels": sorted(speedups), "sweep": rows,
             "verifier_alone": base, "machine": {"cpu": "a CPU", "gpus": ""}, "engine_loads": 1,
-            "measured_at": "now", "suites": [], "categories": [], **serving.payoff(rows, base, "/d", "eagle3", None)}
+            "measured_at": "now", "suites": [], "categories": [], **serving.payoff(rows, "/d", "eagle3", None)}
 
 
 def test_gate_refuses_a_draft_slower_at_the_target_and_passes_a_faster_one(tmp_path):

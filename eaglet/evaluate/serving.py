@@ -181,6 +181,7 @@ def evaluate_draft(verifier: str, draft: str, method: str, trained_k: int, cfg, 
         rows += [_level_row(k, c, res["runs"][f"level/{c}"]) for c in lv]
         if k == suite_k:
             per_group = {n: res["runs"][n] for n in plan["groups"]}
+    rows = with_speedup(rows, verifier_alone["levels"])
     groups = []
     for name, g in plan["groups"].items():
         r = per_group[name]
@@ -196,7 +197,7 @@ def evaluate_draft(verifier: str, draft: str, method: str, trained_k: int, cfg, 
     result = {"method": method, "trained_k": trained_k, "suite_k": suite_k, "k": ks, "levels": lv,
               "suites": per_suite, "categories": groups, "sweep": rows, "verifier_alone": verifier_alone["levels"], "load_seconds": load_seconds,
               "engine_loads": len(ks), "machine": machine_kind(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    result |= payoff(rows, verifier_alone["levels"], draft, method, cfg.eval.target_concurrency)
+    result |= payoff(rows, draft, method, cfg.eval.target_concurrency)
     (out / EVALUATION_FILE).write_text(json.dumps(result, indent=1))
     return result
 
@@ -209,14 +210,18 @@ def evaluate_for_run(verifier: str, draft: str, verifier_alone_dir: str | Path, 
                           left_out, progress)
 
 
-def payoff(rows: list[dict], alone: list[dict], draft: str, method: str, target: int | None) -> dict:
-    """Speedup (output tokens/s with the draft over the verifier alone) per level and k, the best k per level, the
-    crossover (the lowest level from which no k pays any more) and the speculative_config to serve."""
+def with_speedup(rows: list[dict], alone: list[dict]) -> list[dict]:
+    """The sweep's rows with their speedup: output tokens/s with the draft over the verifier alone's at that level."""
     base = {r["concurrency"]: r["output_tokens_per_s"] for r in alone}
-    for r in rows:
-        r["speedup"] = r["output_tokens_per_s"] / base[r["concurrency"]] if base.get(r["concurrency"]) else None
+    return [r | {"speedup": r["output_tokens_per_s"] / base[r["concurrency"]] if base.get(r["concurrency"]) else None}
+            for r in rows]
+
+
+def payoff(rows: list[dict], draft: str, method: str, target: int | None) -> dict:
+    """From the sweep's rows (with_speedup): the best k per level, the crossover (the lowest level from which no k
+    pays any more) and the speculative_config to serve at the target (else the lowest level)."""
     best = {}
-    for c in sorted(base):
+    for c in sorted({r["concurrency"] for r in rows}):
         at = [r for r in rows if r["concurrency"] == c and r["speedup"] is not None]
         if at:
             top = max(at, key=lambda r: r["speedup"])

@@ -318,8 +318,8 @@ def write_outputs(out: Path, params: RunConfig, verifier: VerifierInfo, tasks: d
     draft = publish_dir(_copy_artifact(Path(artifacts["draft"])), out / "draft")
     spec = publish_dir(_copy_artifact(Path(artifacts["checkpoint"])), out / "draft-speculators")
     if evaluation:  # the k to serve, judged at this run's target and for this directory's draft
-        evaluation |= serving.payoff(evaluation["sweep"], evaluation["verifier_alone"], str(draft),
-                                     evaluation["method"], params.eval.target_concurrency)
+        evaluation |= serving.payoff(evaluation["sweep"], str(draft), evaluation["method"],
+                                     params.eval.target_concurrency)
     report = {
         "verifier": verifier.model_dump(),
         "draft_dir": str(draft),
