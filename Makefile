@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 OUT ?= out/demo
 
-.PHONY: setup demo demo-large test test-fast bench stack-up stack-down clean
+.PHONY: setup demo demo-large test test-fast bench bench-peer stack-up stack-down clean
 
 setup:
 	bash scripts/setup.sh
@@ -26,6 +26,9 @@ test-fast: setup
 
 bench: setup  # every stage against its limit: bench/results/<date>-<cpu>-full.{json,md} (about 45 min on 2 cores)
 	$(PY) -m bench.run --preset full
+
+bench-peer: setup  # speculators' own CLI pipeline beside eaglet's cold demo, both drafts under eaglet eval
+	$(PY) -m bench.run --preset peer
 
 stack-up: setup  # Prefect server on 127.0.0.1:4200 + work pool + prefect.yaml's deployments + a worker
 	$(PY) -m deployments.cli stack up

@@ -275,7 +275,7 @@ def render(r: dict) -> str:
         f"{_s(dp['startup']['limit'], '.1f')}; training eaglet {_s(tr['startup']['pipeline'], '.1f')}, direct "
         f"{_s(tr['startup']['limit'], '.1f')}; answers identical to the bare server's: "
         + ", ".join(f"{x:.0%}" for x in dp["identical_answers"]),
-        f"within the data pass's timed window (eaglet, median s): "
+        "within the data pass's timed window (eaglet, median s): "
         + ", ".join(f"{k} {v:.2f}" for k, v in dp["in_window"].items())
         + f" of {dp['window_s']['pipeline']['median']:.1f}",
         "",
@@ -335,9 +335,27 @@ def render(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _peer(home: Path) -> dict:
+    from bench import peer
+
+    started = time.time()
+    return {"preset": "peer", "date": datetime.date.today().isoformat(), "machine": _machine(),
+            "cpu_model": _cpu_model(), "cores": os.cpu_count(), "versions": _versions(), **peer.run(home),
+            "bench_seconds": round(time.time() - started, 1)}
+
+
+def _render_peer(r: dict) -> str:
+    from bench import peer
+
+    return peer.render(r, [f"# eaglet bench: peer ({r['date']}): speculators' own pipeline beside eaglet's cold demo",
+                           "", f"{r['machine']}; " + ", ".join(f"{k} {v}" for k, v in r["versions"].items())
+                           + f"; whole run {r['bench_seconds'] / 60:.1f} min"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench", description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    ap.add_argument("--preset", choices=sorted(PRESETS) + ["peer"], default="full",
+                    help="peer: speculators' own CLI pipeline beside eaglet's cold demo (bench/peer.py)")
     ap.add_argument("--name", help="results name (default: the preset)")
     ap.add_argument("--verifier", help="verifier checkpoint (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--draft", help="flat draft to decode with (default: the one the bench's cold run trains)")
@@ -348,16 +366,19 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="eaglet-bench-") as tmp:
         home = Path(args.work_dir or tmp)
         home.mkdir(parents=True, exist_ok=True)
-        result = run(args.preset, args.verifier, args.draft, home, args.reuse)
+        if args.preset == "peer":
+            result = _peer(home)
+        else:
+            result = run(args.preset, args.verifier, args.draft, home, args.reuse)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"{result['date']}-{_slug(result['cpu_model'])}-{args.name or args.preset}"  # per machine and date
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    text = render(result)
+    text = _render_peer(result) if args.preset == "peer" else render(result)
     stem.with_suffix(".md").write_text(text)
     print(text)
     print(f"written {stem}.json and {stem}.md")
-    return 1 if result["checks"] else 0
+    return 1 if result.get("checks") else 0
 
 
 if __name__ == "__main__":

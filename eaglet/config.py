@@ -237,7 +237,7 @@ class EvalParams(_Section):
                           "(vLLM servers under vLLM's serving benchmark).")
     suites: list[str] = Field(
         ["mt-bench", "humaneval"], min_length=1,
-        description="Built-in public benchmark suites by name (mt-bench, humaneval, gsm8k) or JSONL files of "
+        description="Built-in public benchmark suites by name (mt-bench, humaneval, math) or JSONL files of "
                     "{\"prompt\", \"category\"} rows.")
     prompts_per_suite: int = Field(16, ge=1, le=100000, description="Prompts per suite, taken round-robin over "
                                    "its categories.")
@@ -247,7 +247,8 @@ class EvalParams(_Section):
         "[1, 8, 32, 128] on GPUs.")
     k: list[Annotated[int, Field(ge=1, le=31)]] | None = Field(
         None, min_length=1, description="Draft tokens per step to measure, each up to the trained k (one server "
-        "start each). Empty: 1 to the trained k.")
+        "start each). Empty: 1 to the trained k on GPUs, the trained k alone on a CPU host (shorter chains' "
+        "acceptance is read from its per-position rates).")
     target_concurrency: int | None = Field(
         None, ge=1, le=4096, description="The concurrency you serve at: a draft slower there than the verifier "
         "alone (see smoke.min_speedup) is neither promoted nor passed. Empty: promotion on acceptance alone.")

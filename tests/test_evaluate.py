@@ -63,7 +63,14 @@ def test_levels_always_measure_the_target():
     cfg = load_config(None, ["eval.target_concurrency=2"])
     assert serving.levels(cfg, on_gpu=False) == [1, 2, 8]
     assert serving.levels(cfg, on_gpu=True) == [1, 2, 8, 32, 128]
-    assert serving.k_values(load_config(None, []), 3) == [1, 2, 3]
+    assert serving.k_values(load_config(None, []), 3, on_gpu=True) == [1, 2, 3]
+    assert serving.k_values(load_config(None, []), 3, on_gpu=False) == [3]  # one server start on a CPU host
+    assert serving.k_values(load_config(None, ["eval.k=[1, 3]"]), 3, on_gpu=False) == [1, 3]
+
+
+def test_acceptance_of_shorter_chains_from_per_position_rates():
+    assert serving.acceptance_by_k([0.5, 0.25, 0.125]) == [1.5, 1.75, 1.875]
+    assert serving.acceptance_by_k([]) == []
 
 
 def _rows(alone: dict, draft: dict) -> tuple[list[dict], list[dict]]:

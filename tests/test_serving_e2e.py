@@ -65,6 +65,8 @@ def test_the_report_says_where_the_draft_pays(evaluated):
     for g in e["suites"] + e["categories"]:
         assert g["lossless"] and g["drafts"] > 0 and 1.0 <= g["mean_acceptance_length"] <= 4.0
         assert g["mean_acceptance_length"] == pytest.approx(1 + sum(g["per_position"]), abs=1e-6)
+    for s in e["suites"]:  # every shorter chain's acceptance, read from the k=3 server's per-position rates
+        assert len(s["acceptance_by_k"]) == 3 and s["acceptance_by_k"][-1] == pytest.approx(s["mean_acceptance_length"])
     assert sum(c["prompts"] for c in e["categories"]) == sum(s["prompts"] for s in e["suites"]) == 12 - 1
     assert {(row["k"], row["concurrency"]) for row in e["sweep"]} == {(k, c) for k in (1, 3) for c in LEVELS}
     for row in e["sweep"]:

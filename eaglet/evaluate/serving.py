@@ -41,14 +41,33 @@ def levels(cfg, on_gpu: bool | None = None) -> list[int]:
     return sorted(set(out))
 
 
-def k_values(cfg, trained_k: int) -> list[int]:
-    """eval.k, each at most the trained k (a draft never proposes more tokens than it was trained for); else 1..k."""
-    ks = sorted(set(cfg.eval.k or range(1, trained_k + 1)))
+def k_values(cfg, trained_k: int, on_gpu: bool | None = None) -> list[int]:
+    """eval.k, each at most the trained k (a draft never proposes more tokens than it was trained for); else 1..k on
+    GPUs, and on a CPU host the trained k alone: each k is one server start (about 35 s for a 135M verifier on 2
+    cores), and the acceptance of every shorter chain is read from the trained k's per-position rates
+    (`acceptance_by_k`)."""
+    if cfg.eval.k:
+        ks = sorted(set(cfg.eval.k))
+    else:
+        if on_gpu is None:
+            on_gpu = on_accelerator()
+        ks = list(range(1, trained_k + 1)) if on_gpu else [trained_k]
     above = [k for k in ks if k > trained_k]
     if above:
         raise EagletError(f"eval.k asks for k={above[0]}, above the trained k={trained_k}: measure k from 1 to "
                           f"{trained_k}")
     return ks
+
+
+def acceptance_by_k(per_position: list[float]) -> list[float]:
+    """Mean acceptance length at each chain length j up to the one measured: 1 + the rates of positions 1..j. A
+    chain's first j proposals do not depend on its length, and position i is accepted only when every position
+    before it is; the drafting steps differ between lengths, so this reads the measured k's steps, not a rerun."""
+    out, total = [], 1.0
+    for rate in per_position:
+        total += rate
+        out.append(total)
+    return out
 
 
 def check(cfg, trained_k: int) -> list[Suite]:
@@ -192,8 +211,10 @@ def evaluate_draft(verifier: str, draft: str, method: str, trained_k: int, cfg, 
     for s in suites:
         gs = [g for g in groups if g["suite"] == s.name]
         runs = [per_group[n] for n, g in plan["groups"].items() if g["suite"] == s.name]
+        acc = _acceptance(runs)
         per_suite.append({"suite": s.name, "source": s.source, "prompts": sum(g["prompts"] for g in gs),
-                          "left_out": excluded[s.name], "lossless": all(g["lossless"] for g in gs), **_acceptance(runs)})
+                          "left_out": excluded[s.name], "lossless": all(g["lossless"] for g in gs), **acc,
+                          "acceptance_by_k": acceptance_by_k(acc["per_position"])})
     result = {"method": method, "trained_k": trained_k, "suite_k": suite_k, "k": ks, "levels": lv,
               "suites": per_suite, "categories": groups, "sweep": rows, "verifier_alone": verifier_alone["levels"], "load_seconds": load_seconds,
               "engine_loads": len(ks), "machine": machine_kind(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}

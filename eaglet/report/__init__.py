@@ -219,12 +219,18 @@ def _evaluation_lines(e: dict | None, payoff: str | None, plots: dict, params: d
 
     lines = ["", "## Is it worth serving (vLLM's serving benchmark)", "", f"- **{payoff}**",
              f"- measured {e['measured_at']}: greedy, {params['max_tokens']} tokens per request, one server per k "
-             f"({e['engine_loads']} draft loads), the verifier alone kept from its own run",
+             f"measured (k = {', '.join(map(str, e['k']))}: {e['engine_loads']} draft loads; eval.k measures others), "
+             "the verifier alone kept from its own run",
              "", "| suite | prompts | left out (trained on) | mean acceptance | per position | lossless |",
              "|---|---:|---:|---:|---|---|"]
     for s in e["suites"]:
         lines.append(f"| {s['suite']} | {s['prompts']} | {s['left_out']} | {s['mean_acceptance_length']:.3f} | "
                      + ", ".join(f"{a:.2f}" for a in s["per_position"]) + f" | {s['lossless']} |")
+    by_k = [s for s in e["suites"] if len(s.get("acceptance_by_k") or []) > 1]
+    if by_k:
+        lines += ["", "Mean acceptance at each shorter chain, read from the per-position rates above: " + "; ".join(
+            f"{s['suite']} " + ", ".join(f"k={j} {a:.2f}" for j, a in enumerate(s["acceptance_by_k"], 1))
+            for s in by_k)]
     lines += ["", f"Per category (k = {e.get('suite_k', e['trained_k'])}):", "", "| suite | category | prompts | mean acceptance | "
               "per position | lossless |", "|---|---|---:|---:|---|---|"]
     for c in e["categories"]:
