@@ -165,12 +165,16 @@ def baseline_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig, **_engin
                 machine=machine_kind())
 
 
-def smoke_key(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseline_dir: str, cfg: RunConfig) -> str:
+def smoke_key(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseline_dir: str, cfg: RunConfig,
+              evaluation_dir: str | None = None) -> str:
+    """evaluation_dir: the evaluation whose trained-k server answered the smoke test (its key holds the prompts and
+    settings); a smoke test on its own engine keeps the key it always had."""
+    parts = {"evaluation": Path(evaluation_dir).name} if evaluation_dir else {}
     return _key("smoke", verifier=verifier.fingerprint, draft=Path(draft_dir).name,
                 prompts=held_out_digest(data_dir, cfg),
                 baseline=Path(baseline_dir).name,
                 smoke=cfg.smoke.model_dump(exclude={"min_acceptance", "min_speedup"})
-                | {"num_speculative_tokens": registry.get(cfg.draft.architecture).k(cfg)})
+                | {"num_speculative_tokens": registry.get(cfg.draft.architecture).k(cfg)}, **parts)
 
 
 def comparison_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
@@ -194,9 +198,12 @@ def serving_baseline_key(verifier: VerifierInfo, cfg: RunConfig) -> str:
                 machine=machine_kind())
 
 
-def evaluation_key(verifier: VerifierInfo, draft_dir: str, ckpt_dir: str, baseline_dir: str, cfg: RunConfig) -> str:
+def evaluation_key(verifier: VerifierInfo, draft_dir: str, ckpt_dir: str, baseline_dir: str, cfg: RunConfig,
+                   data_dir: str) -> str:
     """The draft on the suites at each level and k, against the kept verifier-alone figures (their key names the
-    suites, levels and settings). The gate's thresholds are the report's, not the measurement's."""
-    trained = registry.get(cfg.draft.architecture).k(cfg)
+    suites, levels and settings), and the smoke test's answers from the trained k's server (its prompts and
+    settings). The gate's thresholds are the report's, not the measurement's."""
+    trained, s = registry.get(cfg.draft.architecture).k(cfg), cfg.smoke
     return _key("evaluation", verifier=verifier.fingerprint, draft=Path(draft_dir).name, lineage=Path(ckpt_dir).name,
-                baseline=Path(baseline_dir).name, k=serving.k_values(cfg, trained), trained_k=trained)
+                baseline=Path(baseline_dir).name, k=serving.k_values(cfg, trained), trained_k=trained,
+                smoke={"prompts": held_out_digest(data_dir, cfg), "max_tokens": s.max_tokens})

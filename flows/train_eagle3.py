@@ -97,11 +97,13 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
         smoke = None
         if params.smoke.enabled:
             artifacts["baseline"] = run("verifier-baseline", stages.verifier_baseline, verifier, data_dir, params)
-            smoke = run("smoke-test", stages.smoke_test_run, verifier, draft_dir, data_dir, artifacts["baseline"], params)
-        if params.evaluates:  # is it worth serving: suites, concurrency levels, k (vLLM's serving benchmark)
+        if params.evaluates:  # is it worth serving: suites, levels, k; the trained k's server answers the smoke test
             artifacts["serving_baseline"] = run("verifier-serving", stages.verifier_serving, verifier, params)
             artifacts["evaluation"] = run("evaluate-draft", stages.evaluate_draft, verifier, draft_dir, ckpt_dir,
-                                          artifacts["serving_baseline"], params)
+                                          artifacts["serving_baseline"], params, data_dir)
+        if params.smoke.enabled:
+            smoke = run("smoke-test", stages.smoke_test_run, verifier, draft_dir, data_dir, artifacts["baseline"], params,
+                        artifacts.get("evaluation"))
 
         artifacts |= {"hidden_states": states_dir, "vocab": vocab_dir, "checkpoint": ckpt_dir, "draft": draft_dir}
         report = report_and_promote(str(Path(output_dir).resolve()), params, verifier, run.timings, artifacts, smoke,

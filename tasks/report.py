@@ -11,7 +11,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 
 from eaglet.config import RunConfig
 from eaglet.report import inline_images, ui_links, ui_tables, write_outputs
-from eaglet.report.loads import engine_loads
+from eaglet.report.loads import engine_loads, loads_summary
 from eaglet.verifier import VerifierInfo
 
 
@@ -26,8 +26,7 @@ def report_and_promote(output_dir: str, params: RunConfig, verifier: VerifierInf
     report = write_outputs(Path(output_dir), params, verifier, tasks, artifacts, loads["data"], smoke,
                            engine_loads=loads, comparison=comparison, warm_start=warm_start)
     publish_report(str(Path(output_dir).resolve()))
-    get_run_logger().info(f"verifier loads {loads['data']}, smoke engines {loads['smoke']}, evaluation servers "
-                          f"{loads['evaluation']}; {report['promotion']['reason']}")
+    get_run_logger().info(f"{loads_summary(loads)}; {report['promotion']['reason']}")
     return report
 
 

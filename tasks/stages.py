@@ -99,8 +99,7 @@ def load_verifier(verifier: VerifierInfo, cfg: RunConfig) -> list[engines.Engine
         fleet = engines.attach_for_run(verifier, cfg)
     else:
         get_run_logger().info(engines.loading_summary(cfg))
-        fleet = engines.start_for_run(verifier, cfg, store.store_root() / ".engines" / f"{verifier.fingerprint}-"
-                                      f"{os.getpid()}")
+        fleet = engines.start_for_run(verifier, cfg, store.store_root() / ".engines" / f"{verifier.fingerprint}-{os.getpid()}")
     get_run_logger().info(engines.loaded_summary(fleet))
     return fleet
 
@@ -197,8 +196,7 @@ def build_vocab(verifier: VerifierInfo, states_dir: str, init_dir: str | None, c
 
 
 @task(name="plan-training")
-def plan_training(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_dir: str | None,
-                  cfg: RunConfig) -> dict:
+def plan_training(verifier: VerifierInfo, states_dir: str, vocab_dir: str, init_dir: str | None, cfg: RunConfig) -> dict:
     """{"streams"}: whether training asks a capture engine for states (streamed samples, draft not stored)."""
     trained = store.holds("draft_ckpt", keys.training_key(verifier, states_dir, vocab_dir, init_dir, cfg))
     return {"streams": bool(rows.view_rows(Path(states_dir))["streamed"]) and not trained}
@@ -263,11 +261,13 @@ def verifier_baseline(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> 
 
 @task(name="smoke-test", cache_policy=ArtifactKey("smoke", keys.smoke_key, artifact=False), persist_result=True,
       **VLLM_RETRY)
-def smoke_test_run(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseline_dir: str, cfg: RunConfig) -> dict:
-    """One vLLM engine: the verifier with the draft, compared with the kept baseline (lossless, tokens/s)."""
+def smoke_test_run(verifier: VerifierInfo, draft_dir: str, data_dir: str, baseline_dir: str, cfg: RunConfig,
+                   evaluation_dir: str | None = None) -> dict:
+    """The draft in vLLM against the kept baseline: its own engine, or evaluate-draft's answers (evaluation_dir)."""
     arch = registry.for_run(cfg)
-    with store.in_use(baseline_dir):
-        result = smoke.smoke_for_run(verifier.path, draft_dir, data_dir, baseline_dir, cfg, arch.method, arch.k(cfg))
+    with store.in_use(baseline_dir, *filter(None, [evaluation_dir])):
+        result = smoke.smoke_for_run(verifier.path, draft_dir, data_dir, baseline_dir, cfg, arch.method, arch.k(cfg),
+                                     evaluation_dir)
     get_run_logger().info(smoke.summary(result))
     return result.model_dump()
 
@@ -283,16 +283,17 @@ def verifier_serving(verifier: VerifierInfo, cfg: RunConfig) -> str:
 
 @task(name="evaluate-draft", cache_policy=ArtifactKey("evaluation", keys.evaluation_key), persist_result=True,
       **VLLM_RETRY)
-def evaluate_draft(verifier: VerifierInfo, draft_dir: str, ckpt_dir: str, baseline_dir: str, cfg: RunConfig) -> str:
-    """The draft at each k on the suites and levels (eaglet.evaluate.serving): acceptance, lossless, speedup."""
+def evaluate_draft(verifier: VerifierInfo, draft_dir: str, ckpt_dir: str, baseline_dir: str, cfg: RunConfig,
+                   data_dir: str) -> str:
+    """The draft at each k on the suites and levels (eaglet.evaluate.serving), and the smoke test's answers."""
     arch = registry.for_run(cfg)
 
     def build(tmp: Path) -> None:
         result = _progress("evaluation", "the draft under load", "runs", lambda progress: serving.evaluate_for_run(
             verifier.path, draft_dir, baseline_dir, arch.method, arch.k(cfg), cfg, tmp,
-            lineage.prompts_seen(Path(ckpt_dir)), progress))
+            lineage.prompts_seen(Path(ckpt_dir)), data_dir, progress))
         get_run_logger().info(serving.payoff_sentence(result))
 
-    with store.in_use(baseline_dir, draft_dir):
-        return str(store.publish("evaluation", keys.evaluation_key(verifier, draft_dir, ckpt_dir, baseline_dir, cfg),
-                                 build))
+    with store.in_use(baseline_dir, draft_dir, data_dir):
+        return str(store.publish("evaluation", keys.evaluation_key(verifier, draft_dir, ckpt_dir, baseline_dir, cfg,
+                                                                   data_dir), build))

@@ -80,7 +80,9 @@ def _chain(cfg: RunConfig, verifier: VerifierInfo, data_file: str, init: str | N
     keys["smoke"] = key_fns.smoke_key(verifier, keys["draft_flat"], keys["data"], keys["baseline"], cfg)
     keys["serving_baseline"] = key_fns.serving_baseline_key(verifier, cfg)
     keys["evaluation"] = key_fns.evaluation_key(verifier, keys["draft_flat"], keys["draft_ckpt"],
-                                                keys["serving_baseline"], cfg)
+                                                keys["serving_baseline"], cfg, keys["data"])
+    keys["smoke_on_evaluation"] = key_fns.smoke_key(verifier, keys["draft_flat"], keys["data"], keys["baseline"], cfg,
+                                                    keys["evaluation"])
     return keys
 
 

@@ -51,12 +51,17 @@ def evaluated(e2e_run, eval_sets, session_dir) -> dict:
     return {"out": out, "report": json.loads((out / "report.json").read_text())}
 
 
-def test_the_report_says_where_the_draft_pays(evaluated):
+def test_the_report_says_where_the_draft_pays(evaluated, e2e_run):
     r = evaluated["report"]
     e = r["evaluation"]
     assert r["tasks"]["verifier-serving"]["state"] == "Completed" and r["tasks"]["evaluate-draft"]["state"] == "Completed"
     assert r["tasks"]["train-draft"]["state"] == "Cached"  # e2e_run's draft, evaluated
     assert r["engine_loads"]["evaluation"] == 1 + 2  # the verifier alone, then one server per k
+    # the smoke test rode on the k=3 server: no engine of its own, and the figures of e2e_run's own-engine smoke test
+    own, folded = e2e_run["report"]["smoke"], r["smoke"]
+    assert r["engine_loads"]["smoke"] == 0 and folded["engine"] == "evaluation" and r["tasks"]["smoke-test"]["state"] == "Completed"
+    assert folded["lossless"] and folded["num_prompts"] == own["num_prompts"] and folded["drafts"] > 0
+    assert folded["mean_acceptance_length"] == pytest.approx(own["mean_acceptance_length"], abs=0.05)
     assert {s["suite"] for s in e["suites"]} == {"chat", "code-math"}
     code = next(s for s in e["suites"] if s["suite"] == "code-math")
     assert code["left_out"] == 1  # the prompt the draft trained on is reported, not measured

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from eaglet.errors import EagletError
-from eaglet.evaluate.smoke import machine_kind
+from eaglet.evaluate.smoke import SMOKE_ANSWERS_FILE, answers_job, machine_kind
 from eaglet.evaluate.suites import Suite, load_suites
 from eaglet.verifier.devices import on_accelerator
 from eaglet.vllm import run_job, vllm_env
@@ -83,7 +83,9 @@ def requests_at(level: int) -> int:
 
 
 def max_model_len(cfg) -> int:
-    return cfg.data.max_seq_len + cfg.eval.max_tokens
+    """A prompt with its answer (eval.max_tokens, or smoke.max_tokens: the trained k's server answers the smoke test);
+    every server of an evaluation alike, so that the two sides of a speedup differ by the draft alone."""
+    return cfg.data.max_seq_len + max(cfg.eval.max_tokens, cfg.smoke.max_tokens)
 
 
 def _write_jsonl(path: Path, prompts: list[str]) -> str:
@@ -123,9 +125,11 @@ def _plan(suites: list[Suite], cfg, levels_: list[int], work: Path, left_out: se
 
 
 def _serve(verifier: str, cfg, runs: list[dict], progress=None, draft: str | None = None, method: str | None = None,
-           k: int | None = None) -> dict:
-    job = {"verifier": verifier, "dtype": cfg.smoke.dtype, "max_model_len": max_model_len(cfg), "runs": runs,
-           "server_env": vllm_env()}
+           k: int | None = None, answers: dict | None = None) -> dict:
+    job = {"verifier": verifier, "dtype": cfg.smoke.dtype, "max_model_len": max_model_len(cfg),
+           "runs": runs, "server_env": vllm_env()}
+    if answers:
+        job["answers"] = answers
     if draft:
         job |= {"draft": draft, "method": method, "k": k}
     return run_job(job, module="eaglet.vllm.serving", progress=progress)
@@ -178,9 +182,11 @@ def _acceptance(runs: list[dict]) -> dict:
 
 
 def evaluate_draft(verifier: str, draft: str, method: str, trained_k: int, cfg, verifier_alone: dict, out: Path,
-                   left_out: set[str] | None = None, progress=None) -> dict:
+                   left_out: set[str] | None = None, progress=None, answers: dict | None = None) -> dict:
     """The draft at every k of eval.k on the suites and levels the verifier alone was measured on: out/evaluation.json.
-    left_out: prompt digests the draft or its lineage trained on (reported, never measured)."""
+    left_out: prompt digests the draft or its lineage trained on (reported, never measured). answers: the smoke
+    test (smoke.answers_job), answered by the trained k's server first (out/smoke-answers.json; a server of its own
+    when eval.k leaves the trained k out)."""
     suites = load_suites(cfg.eval.suites, cfg.eval.prompts_per_suite)
     lv, ks = levels(cfg), k_values(cfg, trained_k)
     suite_k = max(ks)  # acceptance per suite and category: at the largest k measured (the trained one by default)
@@ -191,12 +197,18 @@ def evaluate_draft(verifier: str, draft: str, method: str, trained_k: int, cfg, 
     level_runs = [r for r in plan["runs"] if r["name"].startswith("level/")]
     rows, per_group, load_seconds, done = [], {}, {}, 0
     total = len(suite_runs) + len(ks) * len(level_runs)
-    for k in ks:  # one server per k: vLLM fixes num_speculative_tokens when the engine starts
-        runs = (suite_runs if k == suite_k else []) + level_runs
+    server_ks = sorted(set(ks) | ({trained_k} if answers else set()))
+    for k in server_ks:  # one server per k: vLLM fixes num_speculative_tokens when the engine starts
+        runs = (suite_runs if k == suite_k else []) + (level_runs if k in ks else [])
         step = (lambda d, _t, rate, before=done: progress(before + d, total, rate)) if progress else None
-        res = _serve(verifier, cfg, runs, step, draft=draft, method=method, k=k)
+        smoke_here = answers if k == trained_k else None
+        res = _serve(verifier, cfg, runs, step, draft=draft, method=method, k=k, answers=smoke_here)
         done += len(runs)
         load_seconds[k] = res["load_seconds"]
+        if smoke_here:
+            (out / SMOKE_ANSWERS_FILE).write_text(json.dumps(res["answers"]))
+        if k not in ks:
+            continue
         rows += [_level_row(k, c, res["runs"][f"level/{c}"]) for c in lv]
         if k == suite_k:
             per_group = {n: res["runs"][n] for n in plan["groups"]}
@@ -217,18 +229,18 @@ def evaluate_draft(verifier: str, draft: str, method: str, trained_k: int, cfg, 
                           "acceptance_by_k": acceptance_by_k(acc["per_position"])})
     result = {"method": method, "trained_k": trained_k, "suite_k": suite_k, "k": ks, "levels": lv,
               "suites": per_suite, "categories": groups, "sweep": rows, "verifier_alone": verifier_alone["levels"], "load_seconds": load_seconds,
-              "engine_loads": len(ks), "machine": machine_kind(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+              "engine_loads": len(server_ks), "smoke_answered": bool(answers), "machine": machine_kind(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     result |= payoff(rows, draft, method, cfg.eval.target_concurrency)
     (out / EVALUATION_FILE).write_text(json.dumps(result, indent=1))
     return result
 
 
 def evaluate_for_run(verifier: str, draft: str, verifier_alone_dir: str | Path, method: str, trained_k: int, cfg,
-                     out: Path, left_out: set[str], progress=None) -> dict:
-    """The run's evaluation: the draft against the kept verifier-alone artifact (method and k are the draft
-    architecture's, DraftArchitecture.method and .k)."""
+                     out: Path, left_out: set[str], data_dir: str | Path, progress=None) -> dict:
+    """The run's evaluation: the draft against the kept verifier-alone artifact, with the run's smoke test answered
+    by its trained k's server (method and k are the draft architecture's, DraftArchitecture.method and .k)."""
     return evaluate_draft(verifier, draft, method, trained_k, cfg, read_verifier_alone(verifier_alone_dir), out,
-                          left_out, progress)
+                          left_out, progress, answers_job(data_dir, cfg))
 
 
 def with_speedup(rows: list[dict], alone: list[dict]) -> list[dict]:

@@ -27,6 +27,7 @@ from eaglet.errors import EagletError
 from eaglet.vllm import run_job
 
 BASELINE_FILE = "baseline.json"
+SMOKE_ANSWERS_FILE = "smoke-answers.json"  # the smoke test answered by the evaluation's server (smoke_from_evaluation)
 
 
 class SmokeResult(BaseModel):
@@ -41,6 +42,7 @@ class SmokeResult(BaseModel):
     load_seconds_without_draft: float  # the baseline engine's start (0 when the baseline was reused)
     load_seconds_with_draft: float  # each engine's start: weights, KV cache; the smoke-load's own loads
     baseline_reused: bool = False
+    engine: str = "own"  # "evaluation": answered by the evaluation's server at the trained k (no engine of its own)
     baseline_measured: str = ""  # when and where the verifier-alone figures were measured
     drafts: int
     accepted_tokens: int
@@ -145,7 +147,15 @@ def smoke_test(
         baseline = _baseline(run_job(job))
     elif len(baseline["token_ids"]) != len(prompts):
         raise EagletError(f"the baseline has {len(baseline['token_ids'])} prompts, the smoke-load {len(prompts)}")
-    spec = run_job(dict(job, draft=str(draft), k=k, method=method))
+    return smoke_result(run_job(dict(job, draft=str(draft), k=k, method=method)), baseline, method, k, reused)
+
+
+def smoke_result(spec: dict, baseline: dict, method: str, k: int, reused: bool = True) -> SmokeResult:
+    """The verifier with the draft (a decode result: token ids per prompt, tokens/s, its engine's start and the
+    spec-decode counters) against the verifier alone."""
+    prompts = spec["token_ids"]
+    if len(baseline["token_ids"]) != len(prompts):
+        raise EagletError(f"the baseline has {len(baseline['token_ids'])} prompts, the smoke-load {len(prompts)}")
     counts = spec["spec"]
     drafts = counts["drafts"]
     per_pos = [a / drafts if drafts else 0.0 for a in counts["accepted_per_pos"]]
@@ -187,9 +197,25 @@ def baseline_for_run(out: Path, verifier: str, data_dir: str | Path, cfg) -> dic
                             max_model_len=smoke_max_model_len(cfg), dtype=s.dtype, load_format=s.load_format)
 
 
+def answers_job(data_dir: str | Path, cfg) -> dict:
+    """The smoke test as a job for the evaluation's server with the draft (eaglet.vllm.serving's job["answers"]),
+    so that an evaluated run starts no engine of its own for it."""
+    return {"conversations": held_out_prompts(data_dir, cfg), "max_tokens": cfg.smoke.max_tokens}
+
+
+def smoke_from_evaluation(evaluation_dir: str | Path, baseline_dir: str | Path, method: str, k: int) -> SmokeResult:
+    """The smoke test answered by the evaluation's server at the trained k (evaluate-draft), against the baseline."""
+    answers = json.loads((Path(evaluation_dir) / SMOKE_ANSWERS_FILE).read_text())
+    return smoke_result(answers | {"load_seconds": 0.0}, read_baseline(baseline_dir), method, k).model_copy(
+        update={"engine": "evaluation"})
+
+
 def smoke_for_run(verifier: str, draft: str, data_dir: str | Path, baseline_dir: str | Path, cfg, method: str,
-                  k: int) -> SmokeResult:
-    """The run's smoke test: method and k are the draft architecture's (DraftArchitecture.method and .k)."""
+                  k: int, evaluation_dir: str | Path | None = None) -> SmokeResult:
+    """The run's smoke test: method and k are the draft architecture's (DraftArchitecture.method and .k); with
+    evaluation_dir, the answers of that evaluation's trained-k server (no engine here)."""
+    if evaluation_dir:
+        return smoke_from_evaluation(evaluation_dir, baseline_dir, method, k)
     s = cfg.smoke
     return smoke_test(verifier, draft, held_out_prompts(data_dir, cfg), method=method, k=k,
                       max_tokens=s.max_tokens, max_model_len=smoke_max_model_len(cfg), dtype=s.dtype,

@@ -151,11 +151,14 @@ def render_markdown(report: dict) -> str:
             "outside the draft vocabulary is rejected), what vLLM should measure: " + _decoding(report),
             f"- lossless (identical outputs with and without the draft): {s['lossless']}",
             f"- tokens/s without draft {s['tokens_per_s_without_draft']:.0f}, with draft "
-            f"{s['tokens_per_s_with_draft']:.0f} (every prompt at once in an offline engine: the heaviest load; "
-            "what the draft does at each concurrency is in the serving section)",
+            f"{s['tokens_per_s_with_draft']:.0f} (every prompt at once "
+            + ("on the evaluation's vLLM server at this k" if s.get("engine") == "evaluation" else "in an offline engine")
+            + ": the heaviest load; what the draft does at each concurrency is in the serving section)",
         ]
         if s.get("baseline_measured"):
-            kept = " (the kept baseline: the smoke-load itself started one engine, the one with the draft)"
+            kept = (" (the kept baseline: the smoke test started no engine, the evaluation's server with the draft "
+                    "answered it)" if s.get("engine") == "evaluation" else
+                    " (the kept baseline: the smoke-load itself started one engine, the one with the draft)")
             lines.append(f"- verifier alone measured {s['baseline_measured']}" + (kept if s.get("baseline_reused") else ""))
         if plots.get("acceptance"):
             lines += ["", f"![acceptance per position]({plots['acceptance']})"]
@@ -302,7 +305,7 @@ def load_seconds(tasks: dict, stats: dict[str, dict], smoke: dict | None) -> dic
             out[task] = round(stats[kind]["load_seconds"], 2)
     if "verifier-baseline" in tasks and tasks["verifier-baseline"]["state"] != "Cached" and stats.get("baseline"):
         out["verifier-baseline"] = round(stats["baseline"]["load_seconds"], 2)
-    if smoke and tasks.get("smoke-test", {}).get("state") != "Cached":
+    if smoke and tasks.get("smoke-test", {}).get("state") != "Cached" and smoke.get("engine") != "evaluation":
         out["smoke-test"] = round(smoke["load_seconds_without_draft"] + smoke["load_seconds_with_draft"], 2)
     return out
 

@@ -21,10 +21,15 @@ def engine_loads(tasks: dict, endpoint: list[str] | None, started: float) -> dic
     data = len(tasks["load-verifier"]["result"]) if "load-verifier" in tasks and not endpoint else 0
     data += sum(1 for name in HF_DATA_STAGES
                 if name in tasks and built_by_this_process_since(tasks[name]["result"], started))
-    smoke = sum(1 for name in SMOKE_STAGES if name in tasks and tasks[name]["state"] != "Cached")
+    smoke = sum(1 for name in SMOKE_STAGES if name in tasks and tasks[name]["state"] != "Cached"
+                and not (isinstance(tasks[name]["result"], dict) and tasks[name]["result"].get("engine") == "evaluation"))
     ran = {name for name in ("verifier-serving", "evaluate-draft") if tasks.get(name, {}).get("state") not in
            (None, "Cached")}
     evaluation = ("verifier-serving" in ran) + (json.loads((Path(tasks["evaluate-draft"]["result"]) /
                                                             EVALUATION_FILE).read_text())["engine_loads"]
                                                  if "evaluate-draft" in ran else 0)
     return {"data": data, "smoke": smoke, "evaluation": evaluation}
+
+
+def loads_summary(loads: dict[str, int]) -> str:
+    return f"verifier loads {loads['data']}, smoke engines {loads['smoke']}, evaluation servers {loads['evaluation']}"

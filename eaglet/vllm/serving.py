@@ -8,6 +8,12 @@ spec-decode counters (scraped from /metrics before and after each run) are vLLM'
 
 A run: {"name", "dataset" (a JSONL of {"prompt"}), "num_prompts", "concurrency", "max_tokens", "texts"
 (keep the generated texts, in dataset order)}. The result: {"load_seconds", "runs": {name: figures}}.
+
+job["answers"] ({"conversations", "max_tokens"}): the smoke test on this server, before the runs: every
+conversation at once (the batch an offline engine would run), greedy through the chat endpoint, which renders a
+conversation as LLM.chat does, with vLLM's `return_token_ids`; the result's "answers" has the token ids, tokens/s
+and the spec-decode counters around them (read by vLLM's benchmark's own /metrics reader), in the form of
+eaglet.vllm.worker's decode result.
 """
 
 from __future__ import annotations
@@ -62,6 +68,44 @@ def _wait(proc: subprocess.Popen, port: int, timeout: float) -> None:
         time.sleep(0.5)
 
 
+def answers(job: dict, port: int) -> dict:
+    import asyncio
+
+    import aiohttp
+    from vllm.benchmarks.serve import fetch_spec_decode_metrics
+
+    base, a = f"http://127.0.0.1:{port}", job["answers"]
+
+    async def one(session, conversation: list[dict]) -> list[int]:
+        body = {"model": SERVED_NAME, "messages": conversation, "max_tokens": a["max_tokens"], "temperature": 0.0,
+                "return_token_ids": True}
+        async with session.post(f"{base}/v1/chat/completions", json=body) as r:
+            if r.status != 200:
+                raise RuntimeError(f"the vLLM server answered {r.status}: {(await r.text())[:500]}")
+            return list((await r.json())["choices"][0]["token_ids"])
+
+    async def all_at_once():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+            before = await fetch_spec_decode_metrics(base, session)
+            t0 = time.perf_counter()
+            ids = await asyncio.gather(*(one(session, c) for c in a["conversations"]))
+            seconds = time.perf_counter() - t0
+            return ids, seconds, before, await fetch_spec_decode_metrics(base, session)
+
+    ids, seconds, before, after = asyncio.run(all_at_once())
+    tokens = sum(map(len, ids))
+    out = {"token_ids": [[i] for i in ids], "seconds": seconds, "output_tokens": tokens,
+           "tokens_per_s": tokens / seconds if seconds else 0.0}
+    if after is not None:
+        per_pos = range(max(after.accepted_per_pos, default=-1) + 1)
+        out["spec"] = {"drafts": after.num_drafts - (before.num_drafts if before else 0),
+                       "draft_tokens": after.num_draft_tokens - (before.num_draft_tokens if before else 0),
+                       "accepted": after.num_accepted_tokens - (before.num_accepted_tokens if before else 0),
+                       "accepted_per_pos": [after.accepted_per_pos.get(i, 0) - (before.accepted_per_pos.get(i, 0)
+                                                                                 if before else 0) for i in per_pos]}
+    return out
+
+
 def run(job: dict) -> dict:
     port = job.get("port") or free_port()
     t0 = time.perf_counter()
@@ -72,6 +116,7 @@ def run(job: dict) -> dict:
 
         _wait(server, port, job.get("start_timeout", 3600))
         load_seconds = time.perf_counter() - t0
+        smoke = answers(job, port) if job.get("answers") else None
         results = {}
         for i, r in enumerate(job["runs"]):
             parser = FlexibleArgumentParser()
@@ -84,7 +129,7 @@ def run(job: dict) -> dict:
                 kept["texts"] = out.get("generated_texts", [])
             results[r["name"]] = kept
             report(i + 1, len(job["runs"]), int(kept.get("total_output_tokens", 0)), kept.get("output_throughput", 0))
-        return {"load_seconds": load_seconds, "runs": results}
+        return {"load_seconds": load_seconds, "runs": results} | ({"answers": smoke} if smoke else {})
     finally:
         server.terminate()
         try:
