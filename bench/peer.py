@@ -177,7 +177,7 @@ def render(r: dict, header: list[str]) -> str:
         "", "## Wall time and verifier loads", "",
         "| pipeline | wall | verifier loads (vLLM servers or engines) | of which checking the draft |",
         "|---|---:|---|---:|",
-        f"| eaglet cold demo (`eaglet run`) | {e['wall_seconds']:.0f} s | {e['verifier_loads']} "
+        f"| eaglet cold demo (`eaglet run`) | {e['wall_seconds']:.0f} s | {sum(e['engine_loads'].values())} "
         f"({', '.join(f'{k} {v}' for k, v in e['engine_loads'].items())}) | {skipped:.0f} s (smoke test, evaluation) |",
         f"| speculators CLI (regenerate, prepare, capture, train) | {s['wall_seconds']:.0f} s | "
         f"{s['verifier_loads']} (regeneration server, capture server) | 0 s (none) |", "",
