@@ -43,9 +43,8 @@ def levels(cfg, on_gpu: bool | None = None) -> list[int]:
 
 def k_values(cfg, trained_k: int, on_gpu: bool | None = None) -> list[int]:
     """eval.k, each at most the trained k (a draft never proposes more tokens than it was trained for); else 1..k on
-    GPUs, and on a CPU host the trained k alone: each k is one server start (about 35 s for a 135M verifier on 2
-    cores), and the acceptance of every shorter chain is read from the trained k's per-position rates
-    (`acceptance_by_k`)."""
+    GPUs, and on a CPU host the trained k alone: each k is one server start, and the acceptance of every shorter
+    chain is read from the trained k's per-position rates (`acceptance_by_k`)."""
     if cfg.eval.k:
         ks = sorted(set(cfg.eval.k))
     else:
@@ -228,8 +227,9 @@ def evaluate_draft(verifier: str, draft: str, method: str, trained_k: int, cfg, 
                           "left_out": excluded[s.name], "lossless": all(g["lossless"] for g in gs), **acc,
                           "acceptance_by_k": acceptance_by_k(acc["per_position"])})
     result = {"method": method, "trained_k": trained_k, "suite_k": suite_k, "k": ks, "levels": lv,
-              "suites": per_suite, "categories": groups, "sweep": rows, "verifier_alone": verifier_alone["levels"], "load_seconds": load_seconds,
-              "engine_loads": len(server_ks), "smoke_answered": bool(answers), "machine": machine_kind(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+              "suites": per_suite, "categories": groups, "sweep": rows, "verifier_alone": verifier_alone["levels"],
+              "load_seconds": load_seconds, "engine_loads": len(server_ks), "smoke_answered": bool(answers),
+              "machine": machine_kind(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     result |= payoff(rows, draft, method, cfg.eval.target_concurrency)
     (out / EVALUATION_FILE).write_text(json.dumps(result, indent=1))
     return result
