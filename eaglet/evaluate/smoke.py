@@ -145,17 +145,22 @@ def smoke_test(
     reused = baseline is not None
     if baseline is None:
         baseline = _baseline(run_job(job))
-    elif len(baseline["token_ids"]) != len(prompts):
-        raise EagletError(f"the baseline has {len(baseline['token_ids'])} prompts, the smoke-load {len(prompts)}")
+    else:
+        _check_baseline(baseline, len(prompts))  # before the engine with the draft loads
     return smoke_result(run_job(dict(job, draft=str(draft), k=k, method=method)), baseline, method, k, reused)
 
 
-def smoke_result(spec: dict, baseline: dict, method: str, k: int, reused: bool = True) -> SmokeResult:
+def _check_baseline(baseline: dict, num_prompts: int) -> None:
+    if len(baseline["token_ids"]) != num_prompts:
+        raise EagletError(f"the baseline has {len(baseline['token_ids'])} prompts, the smoke-load {num_prompts}")
+
+
+def smoke_result(spec: dict, baseline: dict, method: str, k: int, reused: bool = True,
+                 engine: str = "own") -> SmokeResult:
     """The verifier with the draft (a decode result: token ids per prompt, tokens/s, its engine's start and the
     spec-decode counters) against the verifier alone."""
     prompts = spec["token_ids"]
-    if len(baseline["token_ids"]) != len(prompts):
-        raise EagletError(f"the baseline has {len(baseline['token_ids'])} prompts, the smoke-load {len(prompts)}")
+    _check_baseline(baseline, len(prompts))
     counts = spec["spec"]
     drafts = counts["drafts"]
     per_pos = [a / drafts if drafts else 0.0 for a in counts["accepted_per_pos"]]
@@ -172,6 +177,7 @@ def smoke_result(spec: dict, baseline: dict, method: str, k: int, reused: bool =
         load_seconds_without_draft=0.0 if reused else baseline["load_seconds"],
         load_seconds_with_draft=spec["load_seconds"],
         baseline_reused=reused,
+        engine=engine,
         baseline_measured=f"{baseline['measured_at']} on {baseline['host']}"
         + (" by the data pass's capture engine" if baseline.get("engine") == "capture" else ""),
         drafts=drafts,
@@ -206,8 +212,7 @@ def answers_job(data_dir: str | Path, cfg) -> dict:
 def smoke_from_evaluation(evaluation_dir: str | Path, baseline_dir: str | Path, method: str, k: int) -> SmokeResult:
     """The smoke test answered by the evaluation's server at the trained k (evaluate-draft), against the baseline."""
     answers = json.loads((Path(evaluation_dir) / SMOKE_ANSWERS_FILE).read_text())
-    return smoke_result(answers | {"load_seconds": 0.0}, read_baseline(baseline_dir), method, k).model_copy(
-        update={"engine": "evaluation"})
+    return smoke_result(answers | {"load_seconds": 0.0}, read_baseline(baseline_dir), method, k, engine="evaluation")
 
 
 def smoke_for_run(verifier: str, draft: str, data_dir: str | Path, baseline_dir: str | Path, cfg, method: str,

@@ -24,8 +24,8 @@ import subprocess
 import sys
 import time
 
-from eaglet.vllm.server import free_port, healthy
-from eaglet.vllm.worker import report, serve
+from eaglet.vllm.server import free_port, wait_healthy
+from eaglet.vllm.worker import report, serve, spec_delta
 
 SERVED_NAME = "eaglet-eval"
 WARMUPS = 4  # requests before a server's first measured run (vLLM's --num-warmups: not in any figure)
@@ -58,16 +58,6 @@ def bench_argv(job: dict, run: dict, port: int) -> list[str]:
             "--metric-percentiles", "50,99", "--disable-tqdm", "--ready-check-timeout-sec", "0", "--seed", "0"]
 
 
-def _wait(proc: subprocess.Popen, port: int, timeout: float) -> None:
-    t0 = time.monotonic()
-    while not healthy(f"http://127.0.0.1:{port}"):
-        if proc.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited (code {proc.returncode}) while loading")
-        if time.monotonic() - t0 > timeout:
-            raise RuntimeError(f"the vLLM server did not answer within {timeout:.0f} s")
-        time.sleep(0.5)
-
-
 def answers(job: dict, port: int) -> dict:
     import asyncio
 
@@ -97,13 +87,18 @@ def answers(job: dict, port: int) -> dict:
     out = {"token_ids": [[i] for i in ids], "seconds": seconds, "output_tokens": tokens,
            "tokens_per_s": tokens / seconds if seconds else 0.0}
     if after is not None:
-        per_pos = range(max(after.accepted_per_pos, default=-1) + 1)
-        out["spec"] = {"drafts": after.num_drafts - (before.num_drafts if before else 0),
-                       "draft_tokens": after.num_draft_tokens - (before.num_draft_tokens if before else 0),
-                       "accepted": after.num_accepted_tokens - (before.num_accepted_tokens if before else 0),
-                       "accepted_per_pos": [after.accepted_per_pos.get(i, 0) - (before.accepted_per_pos.get(i, 0)
-                                                                                 if before else 0) for i in per_pos]}
+        width = max(after.accepted_per_pos, default=-1) + 1
+        out["spec"] = spec_delta(_counters(before, width), _counters(after, width))
     return out
+
+
+def _counters(m, width: int) -> dict:
+    """vLLM's benchmark's SpecDecodeMetrics (None: nothing drafted yet) as eaglet.vllm.worker.spec_counters' dict,
+    with `width` draft positions."""
+    if m is None:
+        return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0] * width}
+    return {"drafts": m.num_drafts, "draft_tokens": m.num_draft_tokens, "accepted": m.num_accepted_tokens,
+            "per_pos": [m.accepted_per_pos.get(i, 0) for i in range(width)]}
 
 
 def run(job: dict) -> dict:
@@ -114,7 +109,7 @@ def run(job: dict) -> dict:
         from vllm.benchmarks.serve import add_cli_args, main  # imported while the server loads
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-        _wait(server, port, job.get("start_timeout", 3600))
+        wait_healthy(server, f"http://127.0.0.1:{port}", job.get("start_timeout", 3600))
         load_seconds = time.perf_counter() - t0
         smoke = answers(job, port) if job.get("answers") else None
         results = {}
