@@ -78,6 +78,24 @@ class DataParams(_Section):
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="Regeneration temperature (0 = greedy).")
     responses_per_prompt: int = Field(1, ge=1, le=16, description="Responses sampled per prompt.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for the held-out split and for sampling.")
+    regenerate_turns: Literal["last", "all"] = Field(
+        "last", description="With data.regenerate: last answers the last assistant turn of each conversation (the "
+        "earlier ones stay as the data wrote them); all answers every assistant turn in order, each given the "
+        "conversation so far with the verifier's own earlier answers, and each answered turn is a training sample "
+        "with its own row key (a conversation grown by a turn computes only that turn). Tool results and user "
+        "turns stay as the data gives them (vllm backend).")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Settings handed to the verifier's chat template, e.g. "
+        "{\"enable_thinking\": true} (Qwen3) or {\"thinking\": true} (Kimi-K2.5, DeepSeek): applied alike in "
+        "capture, the loss masks, the smoke test and the evaluation's servers. A name the template never reads is "
+        "an error.")
+    reasoning_tags: tuple[str, str] = Field(
+        ("<think>", "</think>"), description="The verifier's tokens that open and close a reasoning block (each one "
+        "token of its vocabulary, else reasoning is not told apart): for the reasoning share and acceptance in "
+        "the report, and data.reasoning_in_loss.")
+    reasoning_in_loss: bool = Field(
+        True, description="Train on the reasoning tokens the verifier emits (the draft proposes them when serving "
+        "with thinking on). false: only the final answer (and tool calls) are in the loss.")
 
 
 class ExtractionParams(_Section):
@@ -296,6 +314,9 @@ class RunConfig(_Section):
     @field_validator("data")
     @classmethod
     def _no_duplicate_answers(cls, v: DataParams) -> DataParams:
+        if v.regenerate_turns == "all" and v.responses_per_prompt > 1:
+            raise ValueError(f"data.regenerate_turns=all answers each turn once (the next turn reads that answer): "
+                             f"set data.responses_per_prompt=1 (it is {v.responses_per_prompt})")
         if v.regenerate and v.responses_per_prompt > 1 and v.temperature == 0:
             raise ValueError(f"data.responses_per_prompt={v.responses_per_prompt} at data.temperature=0 would repeat "
                              "the same greedy answer: set data.temperature above 0 (e.g. 0.7) or responses_per_prompt=1")

@@ -18,43 +18,233 @@ ROLE_ALIASES = {
     "human": "user", "user": "user",
     "gpt": "assistant", "assistant": "assistant", "model": "assistant", "bot": "assistant", "chatgpt": "assistant",
     "system": "system",
+    "tool": "tool", "function": "tool", "observation": "tool", "ipython": "tool",  # tool results
+    "function_call": "assistant",  # ShareGPT's tool call turn: its value is the call (or a list of calls) as JSON
 }
+TOOLS = "tools"  # a conversation's tool list travels as a leading {"role": "tools", "tools": [...]} entry
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "prompts.jsonl"
 DEFAULT_EVAL = DEFAULT_PROMPTS.with_name("eval.jsonl")  # the shipped prompts' fixed held-out rows (a subset)
 
 
+def _json(value, what: str):
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            raise EagletError(f"{what} is not valid JSON") from None
+    return value
+
+
+def _tools(raw, line_no: int) -> list[dict]:
+    """A row's tools in the OpenAI shape ({"type": "function", "function": {"name", ...}}), from that shape, a
+    bare function ({"name", ...}), or either as a JSON string (ShareGPT files)."""
+    tools = _json(raw, f"line {line_no}: 'tools'")
+    if not isinstance(tools, list):
+        raise EagletError(f"line {line_no}: 'tools' must be a list of functions")
+    out = []
+    for tool in tools:
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise EagletError(f"line {line_no}: each of 'tools' needs a function with a 'name'")
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _calls(raw, where: str) -> list[dict]:
+    """Tool calls in the OpenAI shape with their arguments as a JSON object (what chat templates render)."""
+    calls = _json(raw, f"{where}: the tool call")
+    calls = [calls] if isinstance(calls, dict) else calls
+    if not isinstance(calls, list) or not calls:
+        raise EagletError(f"{where}: tool_calls must be a non-empty list of calls")
+    out = []
+    for call in calls:
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise EagletError(f"{where}: each tool call needs a function 'name'")
+        args = fn.get("arguments", {})
+        args = _json(args, f"{where}: the arguments of tool call {fn['name']!r}")
+        if not isinstance(args, dict):
+            raise EagletError(f"{where}: the arguments of tool call {fn['name']!r} are not a JSON object")
+        out.append({**({"id": str(call["id"])} if call.get("id") is not None else {}), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
 def _turns(raw: list, line_no: int, key_role: str, key_text: str) -> list[dict]:
     messages = []
-    for turn in raw:
-        if not isinstance(turn, dict) or key_role not in turn or key_text not in turn:
+    for n, turn in enumerate(raw, 1):
+        where = f"line {line_no} turn {n}"
+        if not isinstance(turn, dict) or key_role not in turn:
             raise EagletError(f"line {line_no}: each turn needs '{key_role}' and '{key_text}'")
-        role = ROLE_ALIASES.get(str(turn[key_role]).lower())
+        name = str(turn[key_role]).lower()
+        role = ROLE_ALIASES.get(name)
         if role is None:
-            raise EagletError(f"line {line_no}: unknown role {turn[key_role]!r} (use user/assistant/system)")
-        messages.append({"role": role, "content": str(turn[key_text])})
+            raise EagletError(f"line {line_no}: unknown role {turn[key_role]!r} (use user/assistant/system/tool)")
+        if name == "function_call":
+            messages.append({"role": "assistant", "content": "", "tool_calls": _calls(turn.get(key_text), where)})
+            continue
+        calls = turn.get("tool_calls") if role == "assistant" else None
+        if turn.get(key_text) is None and not calls:
+            raise EagletError(f"line {line_no}: each turn needs '{key_role}' and '{key_text}'")
+        msg = {"role": role, "content": "" if turn.get(key_text) is None else str(turn[key_text])}
+        if calls:
+            msg["tool_calls"] = _calls(calls, where)
+        if role == "assistant" and isinstance(turn.get("reasoning_content"), str):
+            msg["reasoning_content"] = turn["reasoning_content"]
+        if role == "tool":
+            msg.update({k: str(turn[k]) for k in ("tool_call_id", "name") if turn.get(k) is not None})
+        messages.append(msg)
     return messages
 
 
+def _check_tool_turns(messages: list[dict], tools: list[dict] | None, line_no: int) -> None:
+    """Each tool call names a tool of the row's list, and each tool result answers a call before it."""
+    names = [t["function"]["name"] for t in tools or []]
+    open_calls: list[dict] = []
+    for n, m in enumerate(messages, 1):
+        where = f"line {line_no} turn {n}"
+        if m["role"] == "assistant":
+            open_calls = list(m.get("tool_calls", []))
+            for call in open_calls:
+                name = call["function"]["name"]
+                if name not in names:
+                    listed = f"the row's tools are {names}" if names else "the row lists no 'tools'"
+                    raise EagletError(f"{where} calls tool {name!r}, which is unknown ({listed})")
+        elif m["role"] == "tool":
+            if not open_calls:
+                raise EagletError(f"{where} is a tool result with no tool call before it to answer")
+            ids = [c.get("id") for c in open_calls]
+            if m.get("tool_call_id") is not None and m["tool_call_id"] not in ids:
+                raise EagletError(f"{where} answers tool call id {m['tool_call_id']!r}, which no open call has")
+            open_calls.pop(ids.index(m["tool_call_id"]) if m.get("tool_call_id") in ids else 0)
+        else:
+            open_calls = []
+
+
 def normalize_row(row: object, line_no: int) -> list[dict]:
-    """One JSONL row in any supported shape -> a list of {role, content} messages."""
+    """One JSONL row in any supported shape -> a list of {role, content} messages (assistant turns may carry
+    tool_calls; tool results are the "tool" role), led by {"role": "tools", ...} when the row lists tools."""
     if not isinstance(row, dict):
         raise EagletError(f"line {line_no}: expected a JSON object, got {type(row).__name__}")
     if isinstance(row.get("conversations"), list):
         conv = row["conversations"]
         if conv and isinstance(conv[0], dict) and "from" in conv[0]:
-            return _turns(conv, line_no, "from", "value")
-        return _turns(conv, line_no, "role", "content")
-    if isinstance(row.get("messages"), list):
-        return _turns(row["messages"], line_no, "role", "content")
-    if isinstance(row.get("prompt"), str):
-        msgs = [{"role": "user", "content": row["prompt"]}]
+            messages = _turns(conv, line_no, "from", "value")
+        else:
+            messages = _turns(conv, line_no, "role", "content")
+    elif isinstance(row.get("messages"), list):
+        messages = _turns(row["messages"], line_no, "role", "content")
+    elif isinstance(row.get("prompt"), str):
+        messages = [{"role": "user", "content": row["prompt"]}]
         if isinstance(row.get("response"), str):
-            msgs.append({"role": "assistant", "content": row["response"]})
-        return msgs
-    raise EagletError(
-        f"line {line_no}: unknown row shape with keys {sorted(row)}; expected 'conversations' (ShareGPT), "
-        "'messages' (OpenAI) or 'prompt'"
-    )
+            messages.append({"role": "assistant", "content": row["response"]})
+    else:
+        raise EagletError(
+            f"line {line_no}: unknown row shape with keys {sorted(row)}; expected 'conversations' (ShareGPT), "
+            "'messages' (OpenAI) or 'prompt'"
+        )
+    tools = _tools(row["tools"], line_no) if row.get("tools") not in (None, "", []) else None
+    _check_tool_turns(messages, tools, line_no)
+    return ([{"role": TOOLS, "tools": tools}] if tools else []) + messages
+
+
+def tools_of(messages: list[dict]) -> list[dict] | None:
+    return messages[0]["tools"] if messages and messages[0]["role"] == TOOLS else None
+
+
+def chat_messages(messages: list[dict]) -> list[dict]:
+    """The messages a chat template renders (the tools entry is its `tools=` argument)."""
+    return messages[1:] if tools_of(messages) is not None else messages
+
+
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool,
+             template_kwargs: dict | None = None) -> list[int]:
+    """The verifier's chat template applied to a conversation (its tools, data.chat_template_kwargs): the one
+    rendering capture, the loss masks, the smoke test and the evaluation's prompts all use."""
+    out = tokenizer.apply_chat_template(chat_messages(messages), tools=tools_of(messages), tokenize=True,
+                                        add_generation_prompt=add_generation_prompt, return_dict=False,
+                                        **(template_kwargs or {}))
+    return list(out["input_ids"] if isinstance(out, dict) else out)
+
+
+# Variables every chat template may read that are not a template setting (transformers passes them itself).
+_TEMPLATE_GIVENS = {"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
+                    "pad_token", "unk_token", "raise_exception", "strftime_now", "tojson"}
+
+
+def template_variables(tokenizer) -> set[str] | None:
+    """The names a verifier's chat template reads from outside (None: it has none, or it could not be parsed)."""
+    src = tokenizer.chat_template
+    if isinstance(src, dict):
+        src = "\n".join(src.values())
+    if not src:
+        return None
+    from jinja2 import meta
+
+    try:  # transformers' own environment: its extensions ({% generation %}, loop controls) parse
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        env = _compile_jinja_template(src).environment
+    except Exception:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return set(meta.find_undeclared_variables(env.parse(src)))
+    except Exception:
+        return None
+
+
+def check_rendering(tokenizer, rows: list[list[dict]], template_kwargs: dict, what: str) -> None:
+    """Before any load: every template setting is read by the verifier's template, and rows with tools or tool
+    calls meet a template that renders them (else they would be silently left out of what the verifier sees)."""
+    names = template_variables(tokenizer)
+    if names is not None:
+        for key in template_kwargs:
+            if key not in names:
+                reads = sorted(names - _TEMPLATE_GIVENS)
+                raise EagletError(f"data.chat_template_kwargs sets {key!r}, which the verifier's chat template never "
+                                  f"reads (it reads {reads or 'no setting'}): fix the name or drop it")
+    src = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else str(tokenizer.chat_template)
+    for n, messages in enumerate(rows, 1):
+        if tools_of(messages) and names is not None and "tools" not in names:
+            raise EagletError(f"{what} row {n} lists tools, but the verifier's chat template does not render tools "
+                              "(it never reads `tools`): use a verifier whose template does, or drop the tools")
+        if any(m.get("tool_calls") for m in messages) and "tool_calls" not in src:
+            raise EagletError(f"{what} row {n} has tool calls, but the verifier's chat template does not render "
+                              "assistant tool_calls: use a verifier whose template does, or drop those turns")
+
+
+def reasoning_tag_ids(tokenizer, tags: tuple[str, str] | list[str]) -> tuple[int, int] | None:
+    """The token ids of data.reasoning_tags, or None when either is not one token of the verifier's vocabulary."""
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in tags]
+    return (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else None
+
+
+def reasoning_flags(ids: list[int], start: int, tag_ids: tuple[int, int] | None) -> list[bool]:
+    """For each token from `start` on (an answer), whether it is in a reasoning block, its tags included; a block
+    the prompt opened (a template whose generation prompt ends in the open tag) counts from `start`."""
+    if tag_ids is None:
+        return [False] * (len(ids) - start)
+    open_id, close_id = tag_ids
+    inside = next((t == open_id for t in reversed(ids[:start]) if t in tag_ids), False)
+    flags = []
+    for t in ids[start:]:
+        if t == open_id:
+            inside = True
+        flags.append(inside)
+        if t == close_id:
+            inside = False
+    return flags
+
+
+def reasoning_end(answer: list[int], prompt: list[int], tag_ids: tuple[int, int] | None) -> int:
+    """How many leading tokens of an answer are its reasoning block (0 when it does not open with one)."""
+    flags = reasoning_flags(prompt + answer, len(prompt), tag_ids)
+    n = 0
+    while n < len(flags) and flags[n]:
+        n += 1
+    return n
 
 
 def read_conversations(path: str | Path) -> list[list[dict]]:
@@ -167,13 +357,16 @@ def check_has_responses(rows: list[list[dict]]) -> None:
 
 
 def write_conversations(path: Path, rows: list[list[dict]]) -> None:
-    """Write conversations as OpenAI-shaped JSONL rows ({"messages": [...]}), readable by read_conversations."""
+    """Write conversations as OpenAI-shaped JSONL rows ({"messages": [...], "tools"?}), readable by
+    read_conversations."""
     with path.open("w") as f:
         for msgs in rows:
-            f.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
+            row = {"messages": chat_messages(msgs)} | ({"tools": tools_of(msgs)} if tools_of(msgs) else {})
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def assistant_mask(tokenizer, messages: list[dict], max_seq_len: int) -> tuple[list[int], list[int]]:
+def assistant_mask(tokenizer, messages: list[dict], max_seq_len: int,
+                   template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
     """Token ids of the templated conversation and a 0/1 mask that is 1 exactly on assistant tokens.
 
     Each assistant turn spans from the end of the templated prefix with a generation prompt to the end of the
@@ -181,8 +374,7 @@ def assistant_mask(tokenizer, messages: list[dict], max_seq_len: int) -> tuple[l
     templates, which is checked, not assumed.
     """
     def ids(msgs, gen_prompt):
-        out = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen_prompt, return_dict=False)
-        return list(out["input_ids"] if isinstance(out, dict) else out)
+        return chat_ids(tokenizer, msgs, gen_prompt, template_kwargs)
 
     full = ids(messages, False)
     mask = [0] * len(full)

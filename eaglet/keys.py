@@ -13,7 +13,7 @@ from eaglet.capture import CAPTURE_VERSIONS
 from eaglet.capture.engine import capture_engine_dtype
 from eaglet.capture.rows import view_rows
 from eaglet.capture.vllm import run_capture_settings
-from eaglet.config import RunConfig
+from eaglet.config import DataParams, RunConfig
 from eaglet.data import row_digest, split_run_rows
 from eaglet.drafts import registry
 from eaglet.report.history import comparison_key as history_comparison_key
@@ -70,8 +70,9 @@ def extraction_key(verifier: VerifierInfo, conversations_dir: str, cfg: RunConfi
 
 def capture_content_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig) -> str:
     """The key of the view that keeps every row's states (what a streamed view stands for)."""
+    reasoning = {} if cfg.data.reasoning_in_loss else {"reasoning_in_loss": False}  # the view's masks (rows share)
     return _key("hidden_states", verifier=verifier.fingerprint, aux=verifier.aux_layer_ids,
-                data=Path(data_dir).name, settings=run_capture_settings(verifier, cfg))
+                data=Path(data_dir).name, settings=run_capture_settings(verifier, cfg), **reasoning, **_tags(cfg))
 
 
 def capture_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig, **_where) -> str:
@@ -151,9 +152,18 @@ def export_key(verifier: VerifierInfo, ckpt_dir: str, cfg: RunConfig) -> str:
                 convert=arch.export_version)
 
 
+def _tags(cfg: RunConfig) -> dict:
+    """data.reasoning_tags where they are not the default (what tells reasoning apart: masks, shares, the split)."""
+    tags = cfg.data.reasoning_tags
+    return {} if tuple(tags) == DataParams.model_fields["reasoning_tags"].default else {"reasoning_tags": list(tags)}
+
+
 def held_out_digest(data_dir: str, cfg: RunConfig) -> str:
-    """The smoke prompts' digest: the baseline and the smoke results depend on them, not on the training rows."""
-    return store.digest(held_out_prompts(data_dir, cfg))
+    """The smoke prompts' digest: the baseline and the smoke results depend on them, not on the training rows (and
+    on data.chat_template_kwargs, which render them, and the reasoning tags, which split their answers, when set)."""
+    prompts, template = held_out_prompts(data_dir, cfg), cfg.data.chat_template_kwargs
+    extra = ({"template": template} if template else {}) | _tags(cfg)
+    return store.digest({"prompts": prompts, **extra} if extra else prompts)
 
 
 def baseline_key(verifier: VerifierInfo, data_dir: str, cfg: RunConfig, **_engine) -> str:
@@ -193,16 +203,19 @@ def serving_baseline_key(verifier: VerifierInfo, cfg: RunConfig) -> str:
     """The verifier alone under load: not the draft, not k. The machine's kind is in the key (speeds are not
     portable)."""
     e = cfg.eval
+    template = {"template": cfg.data.chat_template_kwargs} if cfg.data.chat_template_kwargs else {}
     return _key("serving_baseline", verifier=verifier.fingerprint, suites=suites_digest(cfg), max_tokens=e.max_tokens,
                 levels=serving.levels(cfg), dtype=cfg.smoke.dtype, max_model_len=serving.max_model_len(cfg),
-                machine=machine_kind())
+                machine=machine_kind(), **template)
 
 
 def evaluation_key(verifier: VerifierInfo, draft_dir: str, ckpt_dir: str, baseline_dir: str, cfg: RunConfig,
-                   data_dir: str) -> str:
+                   data_dir: str, smoke_baseline: str | None = None) -> str:
     """The draft on the suites at each level and k, against the kept verifier-alone figures (their key names the
     suites, levels and settings), and the smoke test's answers from the trained k's server (its prompts and
-    settings). The gate's thresholds are the report's, not the measurement's."""
+    settings). The gate's thresholds are the report's, not the measurement's. smoke_baseline is not in it: its
+    greedy answers (which split reasoning from the final answer) follow from the verifier and the smoke settings
+    already here."""
     trained, s = registry.get(cfg.draft.architecture).k(cfg), cfg.smoke
     return _key("evaluation", verifier=verifier.fingerprint, draft=Path(draft_dir).name, lineage=Path(ckpt_dir).name,
                 baseline=Path(baseline_dir).name, k=serving.k_values(cfg, trained), trained_k=trained,

@@ -100,7 +100,7 @@ def train_eagle3(params: RunConfig = RunConfig(), output_dir: str = "out") -> di
         if params.evaluates:  # is it worth serving: suites, levels, k; the trained k's server answers the smoke test
             artifacts["serving_baseline"] = run("verifier-serving", stages.verifier_serving, verifier, params)
             artifacts["evaluation"] = run("evaluate-draft", stages.evaluate_draft, verifier, draft_dir, ckpt_dir,
-                                          artifacts["serving_baseline"], params, data_dir)
+                                          artifacts["serving_baseline"], params, data_dir, artifacts["baseline"])
         if params.smoke.enabled:
             smoke = run("smoke-test", stages.smoke_test_run, verifier, draft_dir, data_dir, artifacts["baseline"], params,
                         artifacts.get("evaluation"))

@@ -284,16 +284,16 @@ def verifier_serving(verifier: VerifierInfo, cfg: RunConfig) -> str:
 @task(name="evaluate-draft", cache_policy=ArtifactKey("evaluation", keys.evaluation_key), persist_result=True,
       **VLLM_RETRY)
 def evaluate_draft(verifier: VerifierInfo, draft_dir: str, ckpt_dir: str, baseline_dir: str, cfg: RunConfig,
-                   data_dir: str) -> str:
+                   data_dir: str, smoke_baseline: str) -> str:
     """The draft at each k on the suites and levels (eaglet.evaluate.serving), and the smoke test's answers."""
     arch = registry.for_run(cfg)
 
     def build(tmp: Path) -> None:
         result = _progress("evaluation", "the draft under load", "runs", lambda progress: serving.evaluate_for_run(
             verifier.path, draft_dir, baseline_dir, arch.method, arch.k(cfg), cfg, tmp,
-            lineage.prompts_seen(Path(ckpt_dir)), data_dir, progress))
+            lineage.prompts_seen(Path(ckpt_dir)), data_dir, smoke_baseline, progress))
         get_run_logger().info(serving.payoff_sentence(result))
 
-    with store.in_use(baseline_dir, draft_dir, data_dir):
+    with store.in_use(baseline_dir, draft_dir, data_dir, smoke_baseline):
         return str(store.publish("evaluation", keys.evaluation_key(verifier, draft_dir, ckpt_dir, baseline_dir, cfg,
                                                                    data_dir), build))

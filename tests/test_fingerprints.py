@@ -95,7 +95,8 @@ def _leaves() -> list[str]:
 # RunConfig field is here or in NOT_IN_KEYS (test_every_parameter_is_placed): a new field must be placed.
 IN_KEYS = [
     "data.max_seq_len", "data.eval_fraction", "data.max_samples", "data.regenerate", "data.max_new_tokens",
-    "data.temperature", "data.responses_per_prompt", "data.seed",
+    "data.temperature", "data.responses_per_prompt", "data.seed", "data.regenerate_turns", "data.chat_template_kwargs",
+    "data.reasoning_tags", "data.reasoning_in_loss",
     "extraction.engine_dtype", "extraction.dtype", "extraction.states", "extraction.disk_budget_gb",
     "draft.architecture", "draft.draft_vocab_size", "draft.norm_before_residual", "draft.norm_before_fc",
     "draft.norm_output",
@@ -118,6 +119,7 @@ AUTO_RESOLVED = {
     "extraction.engine_dtype": lambda cfg: capture_engine_dtype(cfg),
 }
 OTHER_VALUE = {"training.loss": "ce", "extraction.disk_budget_gb": 2.5,  # valid values of free-form fields
+               "data.chat_template_kwargs": {"enable_thinking": True}, "data.reasoning_tags": ("<t>", "</t>"),
                "draft.architecture": "dflash", "dflash.num_layers": 2,
                "eval.suites": ["math"], "eval.concurrency": [1, 2], "eval.k": [1]}
 

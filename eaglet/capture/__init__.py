@@ -85,6 +85,11 @@ def run_backend(cfg) -> str:
         what = "extraction.states=stream" if e.states == "stream" else "extraction.disk_budget_gb"
         raise EagletError(f"{what} streams states from a vLLM capture engine: it needs extraction.backend vllm "
                           f"(this run resolves to {resolved})")
+    d = cfg.data
+    if resolved != "vllm" and ((d.regenerate and d.regenerate_turns == "all") or d.chat_template_kwargs):
+        what = "data.regenerate_turns=all" if d.regenerate_turns == "all" else "data.chat_template_kwargs"
+        raise EagletError(f"{what} answers through the vllm capture backend (token ids rendered by eaglet): set "
+                          f"extraction.backend=vllm (this run resolves to {resolved})")
     if e.states == "stream" and e.disk_budget_gb:
         raise EagletError("extraction.disk_budget_gb limits what extraction.states=keep stores; with states=stream "
                           "nothing is stored: drop one of the two")

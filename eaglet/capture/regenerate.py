@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eaglet.data import prompt_part, read_conversations, write_conversations
+from eaglet.data import prompt_part, read_conversations, tools_of, write_conversations
+from eaglet.errors import EagletError
 from eaglet.vllm import run_job
 from eaglet.capture.engine import capture_engine_dtype
 
@@ -22,6 +23,8 @@ def regenerate_responses(
     dtype: str = "bfloat16",
 ) -> dict:
     rows = read_conversations(conversations_file)
+    if any(tools_of(msgs) for msgs in rows):  # LLM.chat takes one tool list for a batch; capture renders each row's
+        raise EagletError("rows with tools are answered by the vllm capture backend: set extraction.backend=vllm")
     prompts = [prompt_part(msgs) for msgs in rows]
     result = run_job({
         "verifier": verifier_path,

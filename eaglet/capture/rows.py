@@ -28,6 +28,7 @@ from pathlib import Path
 from eaglet import store
 from eaglet.capture.shards import stored_tensors
 from eaglet.capture.shards import save_dataset
+from eaglet.data import reasoning_flags
 
 ROW_KIND = "rows"
 STREAMED_KIND = "row_ids"  # a streamed row: token ids and answers, no states (not reusable by a run that keeps)
@@ -39,6 +40,13 @@ def row_key(verifier_fingerprint: str, settings: dict, request: dict) -> str:
     """settings: everything but the request that decides the row's bytes (layers, dtype, max_seq_len, generation)."""
     what = {"prompt_ids": request["prompt_ids"], "loss_mask": request.get("loss_mask")}
     return store.digest({"kind": ROW_KIND, "verifier": verifier_fingerprint, "settings": settings, "request": what})
+
+
+def turn_key(previous_key: str, inputs: list[dict]) -> str:
+    """A later assistant turn's row (data.regenerate_turns=all): the row of the turn before it (whose key holds the
+    verifier, the settings and the rendered first prompt) and the messages between the two answers (user turns,
+    tool results). Its prompt is known only once the earlier answers are, so it cannot be keyed by its ids."""
+    return store.digest({"kind": ROW_KIND, "after": previous_key, "inputs": inputs})
 
 
 def row_path(key: str) -> Path:
@@ -91,10 +99,22 @@ def read_row(key: str, streamed: bool = False) -> dict:
     return json.loads((path / ROW_FILE).read_text())
 
 
-def assemble(out: Path, keys: list[str], computed: set[str], streamed: set[str] = frozenset()) -> dict[str, str]:
+def loss_mask(ids: list[int], mask: list[int], reasoning: tuple[int, int] | None) -> list[int]:
+    """A sample's loss mask, with its reasoning blocks left out when `reasoning` (the tags' ids) is given
+    (data.reasoning_in_loss=false); the row keeps the whole answer's mask, so both views share its states."""
+    if reasoning is None or 1 not in mask:
+        return mask
+    start = mask.index(1)
+    flags = [False] * start + reasoning_flags(ids, start, reasoning)
+    return [m if not f else 0 for m, f in zip(mask, flags)]
+
+
+def assemble(out: Path, keys: list[str], computed: set[str], streamed: set[str] = frozenset(),
+             drop_reasoning: tuple[int, int] | None = None) -> dict[str, str]:
     """The run's dataset in `out` (a store work directory) from the row artifacts `keys`, in that order; the
-    `streamed` ones without states (their row_ids artifacts). Returns {relative file: sha256} for the linked
-    states (taken from the rows' manifests, not re-read)."""
+    `streamed` ones without states (their row_ids artifacts); drop_reasoning: the reasoning tags' ids when
+    reasoning is out of the loss. Returns {relative file: sha256} for the linked states (taken from the rows'
+    manifests, not re-read)."""
     import torch
     from safetensors import safe_open
 
@@ -105,9 +125,9 @@ def assemble(out: Path, keys: list[str], computed: set[str], streamed: set[str] 
     for key in keys:
         if key in streamed:
             for meta in read_row(key, streamed=True)["samples"]:
-                samples.append({"input_ids": meta["input_ids"], "loss_mask": meta["loss_mask"],
-                                "seq_len": len(meta["input_ids"])})
-                freq.update(t for t, m in zip(meta["input_ids"], meta["loss_mask"]) if m)
+                mask = loss_mask(meta["input_ids"], meta["loss_mask"], drop_reasoning)
+                samples.append({"input_ids": meta["input_ids"], "loss_mask": mask, "seq_len": len(meta["input_ids"])})
+                freq.update(t for t, m in zip(meta["input_ids"], mask) if m)
                 i += 1
             continue
         src = row_path(key)
@@ -119,8 +139,9 @@ def assemble(out: Path, keys: list[str], computed: set[str], streamed: set[str] 
             link = hs_dir / f"hs_{i}.safetensors"
             os.symlink(os.path.relpath(src / name, hs_dir), link)
             digests[f"hidden_states/hs_{i}.safetensors"] = files[name]["sha256"]
-            samples.append({"input_ids": ids, "loss_mask": meta["loss_mask"], "seq_len": len(ids)})
-            freq.update(t for t, m in zip(ids, meta["loss_mask"]) if m)
+            mask = loss_mask(ids, meta["loss_mask"], drop_reasoning)
+            samples.append({"input_ids": ids, "loss_mask": mask, "seq_len": len(ids)})
+            freq.update(t for t, m in zip(ids, mask) if m)
             i += 1
     save_dataset(samples, out)
     torch.save(dict(freq), out / "token_freq.pt")

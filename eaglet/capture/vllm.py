@@ -20,15 +20,16 @@ import os
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from eaglet.capture.engine import Engine, EngineError, healthy
 from eaglet.capture.fleet import EngineGone, Fleet, describe_shares
 from eaglet.capture.rows import (assemble, have_row, have_streamed_row, publish_row, publish_streamed_row, read_row,
-                                 row_bytes, row_key, set_view_content)
+                                 row_bytes, row_key, row_path, set_view_content, turn_key)
 from eaglet.capture.shards import bytes_per_token, get_text_hidden_size
-from eaglet.data import assistant_mask, prompt_part, read_conversations
+from eaglet.data import (assistant_mask, chat_ids, check_rendering, prompt_part, read_conversations, reasoning_flags,
+                         reasoning_tag_ids)
 from eaglet.errors import EagletError
 from eaglet.capture import CAPTURE_VERSIONS
 from eaglet.capture.engine import capture_engine_dtype, capture_layers
@@ -42,25 +43,38 @@ IN_FLIGHT = 256  # requests in flight: vLLM batches them (its default max_num_se
 REQUEST_TIMEOUT = 1800.0
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
-    return list(out["input_ids"] if isinstance(out, dict) else out)
+def chat_prompt_ids(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    return chat_ids(tokenizer, messages, True, template_kwargs)
+
+
+def answer_positions(messages: list[dict]) -> list[int]:
+    """Where the verifier answers under data.regenerate_turns=all: each assistant turn, and the end of a
+    conversation that does not end with one."""
+    at = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return at + ([len(messages)] if not at or at[-1] != len(messages) - 1 else [])
 
 
 def plan_requests(tokenizer, rows: list[list[dict]], regenerate: bool, max_seq_len: int,
-                  responses_per_prompt: int = 1) -> tuple[list[dict], int]:
+                  responses_per_prompt: int = 1, turns: str = "last",
+                  template_kwargs: dict | None = None) -> tuple[list[dict], int]:
     """One request per sample, numbered in row order: prompt ids, and for prefill the loss mask. Rows that
-    cannot give a trainable token are left out here, before any work (counted)."""
+    cannot give a trainable token are left out here, before any work (counted). With turns "all", a row's first
+    answer is a request like any other and each later one ("turn" t) carries its context: the data's messages
+    before it ("context"), whose assistant turns at "answered" the pass replaces by the verifier's answers before
+    rendering its prompt."""
     requests, skipped = [], 0
     for row, msgs in enumerate(rows):
         if regenerate:
-            ids = chat_prompt_ids(tokenizer, prompt_part(msgs))
+            at = answer_positions(msgs) if turns == "all" else [len(prompt_part(msgs))]
+            ids = chat_prompt_ids(tokenizer, msgs[: at[0]], template_kwargs)
             if len(ids) >= max_seq_len:  # no room for a response token
                 skipped += 1
                 continue
             requests += [{"row": row, "prompt_ids": ids, "response": j} for j in range(responses_per_prompt)]
+            requests += [{"row": row, "turn": t, "response": 0, "context": msgs[: at[t]], "answered": at[:t],
+                          "inputs": msgs[at[t - 1] + 1: at[t]]} for t in range(1, len(at))]
         else:
-            ids, mask = assistant_mask(tokenizer, msgs, max_seq_len)
+            ids, mask = assistant_mask(tokenizer, msgs, max_seq_len, template_kwargs)
             if sum(mask) == 0:
                 skipped += 1
                 continue
@@ -106,10 +120,17 @@ def _complete(client, engine: Engine, req: dict, gen: dict | None) -> dict:
             "generated": out.get("usage", {}).get("completion_tokens", 0)}
 
 
-def _sent(fleet: Fleet, client, req: dict, gen: dict | None) -> dict:
-    """One request through the fleet: the answer, with the index of the engine that gave it."""
+def _sent(fleet: Fleet, client, req: dict, gen: dict | None, turn_prompt=None) -> dict:
+    """One request through the fleet: the answer, with the index of the engine that gave it. A later turn's
+    prompt is rendered first, by turn_prompt (it waits for the earlier answers); None: no room left in
+    data.max_seq_len, and nothing is sent."""
+    if "turn" in req:
+        ids = turn_prompt(req)
+        if ids is None:
+            return {"text": None, "path": None, "generated": 0, "engine": None, "prompt_ids": None}
+        req = dict(req, prompt_ids=ids)
     i, answer = fleet.call(lambda engine: _complete(client, engine, req, gen))
-    return dict(answer, engine=i)
+    return dict(answer, engine=i, prompt_ids=req["prompt_ids"])
 
 
 def _answer(future, poll: float = 10.0) -> dict:
@@ -123,18 +144,21 @@ def _answer(future, poll: float = 10.0) -> dict:
             continue
 
 
-def _answer_and_states(fleet: Fleet, future, pool, client, req: dict, gen: dict | None) -> tuple[dict, dict]:
+def _answer_and_states(fleet: Fleet, future, pool, client, req: dict, gen: dict | None,
+                       turn_prompt=None) -> tuple[dict, dict | None]:
     """A request's answer and its hidden states. An engine that died after answering may have left its file
     half-written (its write lock goes with the process): that engine is taken out and the request sent again."""
     while True:
         answer = _answer(future)
+        if answer["path"] is None:  # a later turn with no room left: nothing was sent
+            return answer, None
         try:
             return answer, _load(answer["path"])
         except Exception:
             if healthy(fleet.engines[answer["engine"]].endpoint):
                 raise
             fleet.take_out(answer["engine"], "stopped after answering; its hidden-state file was left unreadable")
-        future = pool.submit(_sent, fleet, client, req, gen)
+        future = pool.submit(_sent, fleet, client, req, gen, turn_prompt)
 
 
 def _load(path: str) -> dict:
@@ -164,6 +188,7 @@ def probe(engine: Engine, tokenizer, layers: int) -> None:
 
 
 def _sample(req: dict, saved: dict, max_seq_len: int, regenerate: bool) -> tuple[list[int], list[int], object]:
+    """req: the request as sent (a later turn's with its rendered prompt_ids)."""
     ids = saved["token_ids"].tolist()
     if ids[: len(req["prompt_ids"])] != req["prompt_ids"]:
         raise EngineError(f"the engine's token ids for row {req['row']} do not start with its prompt")
@@ -174,15 +199,19 @@ def _sample(req: dict, saved: dict, max_seq_len: int, regenerate: bool) -> tuple
 
 
 def capture_settings(layers: list[int], max_seq_len: int, dtype: str, regenerate: bool, max_new_tokens: int,
-                     temperature: float, responses_per_prompt: int, seed: int, engine_dtype: str = "bfloat16") -> dict:
+                     temperature: float, responses_per_prompt: int, seed: int, engine_dtype: str = "bfloat16",
+                     turns: str = "last", template_kwargs: dict | None = None) -> dict:
     """Everything besides the verifier and the request that decides a row's bytes (part of its key). layers: the
     captured vLLM layer ids (eaglet.capture.engine.capture_layers), not their count: rows of aux [2, 15, 27] are
-    not the states of aux [8, 15, 27]."""
+    not the states of aux [8, 15, 27]. turns and template_kwargs (data.regenerate_turns, chat_template_kwargs)
+    are the plan's: they enter the key only when set (a later turn's prompt is rendered with them), so rows
+    captured before they existed keep their keys."""
     gen = {"max_new_tokens": max_new_tokens, "temperature": temperature, "n": responses_per_prompt, "seed": seed}
-
-    return {"layers": list(layers), "max_seq_len": max_seq_len, "dtype": dtype,
-            "generation": gen if regenerate else None, "engine_dtype": engine_dtype,
-            "version": CAPTURE_VERSIONS["vllm-sampled" if regenerate and temperature > 0 else "vllm"]}
+    settings = {"layers": list(layers), "max_seq_len": max_seq_len, "dtype": dtype,
+                "generation": gen if regenerate else None, "engine_dtype": engine_dtype,
+                "version": CAPTURE_VERSIONS["vllm-sampled" if regenerate and temperature > 0 else "vllm"]}
+    return settings | ({"template_kwargs": template_kwargs} if template_kwargs else {}) \
+        | ({"turns": turns} if turns != "last" and regenerate else {})
 
 
 def run_capture_settings(verifier, cfg) -> dict:
@@ -190,7 +219,8 @@ def run_capture_settings(verifier, cfg) -> dict:
     d = cfg.data
     return capture_settings(capture_layers(verifier.aux_layer_ids, verifier.num_layers), d.max_seq_len,
                             cfg.extraction.dtype, d.regenerate, d.max_new_tokens, d.temperature,
-                            d.responses_per_prompt, d.seed, capture_engine_dtype(cfg))
+                            d.responses_per_prompt, d.seed, capture_engine_dtype(cfg), d.regenerate_turns,
+                            d.chat_template_kwargs)
 
 
 def write_plan(path: Path, planned: dict[str, list[dict]], skipped: int) -> None:
@@ -213,14 +243,22 @@ def plan_rows(tokenizer_path: str, conversations_file: Path, fingerprint: str, s
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
     gen = settings["generation"]
-    requests, skipped = plan_requests(tok, read_conversations(conversations_file), gen is not None,
-                                      settings["max_seq_len"], gen["n"] if gen else 1)
-    by_row: dict[int, list[dict]] = {}
+    rows = read_conversations(conversations_file)
+    template_kwargs = settings.get("template_kwargs") or {}
+    check_rendering(tok, rows, template_kwargs, str(conversations_file))  # before any load
+    requests, skipped = plan_requests(tok, rows, gen is not None, settings["max_seq_len"], gen["n"] if gen else 1,
+                                      settings.get("turns", "last"), template_kwargs)
+    by_sample: dict[tuple, list[dict]] = {}
     for req in requests:
-        by_row.setdefault(req["row"], []).append(req)
+        by_sample.setdefault((req["row"], req.get("turn", 0)), []).append(req)
     planned: dict[str, list[dict]] = {}
-    for reqs in by_row.values():  # the responses of a row share its request, hence its key
-        key = row_key(fingerprint, settings, reqs[0])
+    previous: dict[int, str] = {}  # a row's latest turn's key, and those of all its earlier turns
+    earlier: dict[int, list[str]] = {}
+    for (row, turn), reqs in by_sample.items():  # the responses of a row share its request, hence its key
+        key = row_key(fingerprint, settings, reqs[0]) if turn == 0 else turn_key(previous[row], reqs[0]["inputs"])
+        if turn:
+            reqs = [dict(req, answer_keys=list(earlier[row])) for req in reqs]
+        previous[row], earlier[row] = key, earlier.get(row, []) + [key]
         if key not in planned:  # a sampled answer's seed; prefill requests sample nothing
             planned[key] = [dict(req, seed=sample_seed(key, req["response"])) for req in reqs] if gen else reqs
     return planned, skipped
@@ -287,7 +325,8 @@ def row_estimate(tokens: int, samples: int, token_bytes: int) -> int:
 
 def check_budget(planned: dict[str, list[dict]], budget_bytes: int, token_bytes: int) -> None:
     """A budget that cannot hold the shortest new row (its prompt alone) would keep nothing: one sentence."""
-    new = [sum(len(r["prompt_ids"]) for r in reqs) for key, reqs in planned.items() if not have_row(key)]
+    new = [sum(len(r.get("prompt_ids", [])) for r in reqs) for key, reqs in planned.items()
+           if not have_row(key) and "turn" not in reqs[0]]  # a later turn's prompt is longer than its first's
     if new and row_estimate(min(new), 1, token_bytes) > budget_bytes:
         need = row_estimate(min(new), 1, token_bytes)
         raise EagletError(f"extraction.disk_budget_gb={budget_bytes / 1e9:g} holds no row: the shortest new row "
@@ -301,7 +340,10 @@ def generate_and_capture(engines: Engine | list[Engine] | None, tokenizer_path: 
                          responses_per_prompt: int = 1,
                          seed: int = 0, trust_remote_code: bool = False, progress=None,
                          fingerprint: str | None = None, engine_dtype: str = "bfloat16",
-                         plan: Path | None = None, states: str = "keep", budget_bytes: int | None = None) -> dict:
+                         plan: Path | None = None, states: str = "keep", budget_bytes: int | None = None,
+                         turns: str = "last", template_kwargs: dict | None = None,
+                         reasoning_tags: tuple[str, str] = ("<think>", "</think>"),
+                         reasoning_in_loss: bool = True) -> dict:
     """Fill `out` with the dataset view of every row of `conversations_file` (eaglet.capture.rows), sending to
     `engines` only the rows the store does not hold yet; each is published as its requests finish, so a killed
     pass loses only the rows in flight. `engines` (one or several: eaglet.capture.fleet deals the requests and
@@ -310,7 +352,9 @@ def generate_and_capture(engines: Engine | list[Engine] | None, tokenizer_path: 
     progress(rows done, rows to compute, tokens/s). plan: plan_rows' result for these settings (write_plan), when
     the run has already tokenized the rows to decide whether to load the verifier. states / budget_bytes:
     extraction.states and extraction.disk_budget_gb (decide_rows): a streamed row keeps only its token ids, and
-    the view links no states for it."""
+    the view links no states for it. turns, template_kwargs: data.regenerate_turns and chat_template_kwargs (a
+    later turn is sent once the answers before it are published, and its prompt rendered from them);
+    reasoning_tags / reasoning_in_loss: what the view's loss masks leave out, and the reasoning share."""
     import httpx
     from transformers import AutoTokenizer
 
@@ -318,7 +362,8 @@ def generate_and_capture(engines: Engine | list[Engine] | None, tokenizer_path: 
         fingerprint = resolve_verifier(tokenizer_path, trust_remote_code=trust_remote_code).fingerprint
     num_layers = len(layers)
     settings = capture_settings(layers, max_seq_len, dtype, regenerate, max_new_tokens, temperature,
-                                responses_per_prompt, seed, engine_dtype)  # engine_dtype: the engine's --dtype
+                                responses_per_prompt, seed, engine_dtype,  # engine_dtype: the engine's --dtype
+                                turns, template_kwargs)
     if plan is not None:
         planned, skipped = read_plan(plan)
     else:
@@ -329,29 +374,53 @@ def generate_and_capture(engines: Engine | list[Engine] | None, tokenizer_path: 
     to_stream = set(rows["stream_compute"]) | set(rows["stream_plan"]) | set(rows["streamed_known"])
     for key in rows["stream_plan"]:  # prefill: the plan holds the ids; nothing for the engine
         publish_streamed_row(key, [{"input_ids": r["prompt_ids"], "loss_mask": r["loss_mask"]} for r in planned[key]])
-    todo = [key for key in planned if key in set(rows["keep"] + rows["pending"] + rows["stream_compute"])]
+    # every first answer before any second one: a later turn waits for the answer before it (turn_prompt)
+    todo = sorted((key for key in planned if key in set(rows["keep"] + rows["pending"] + rows["stream_compute"])),
+                  key=lambda key: planned[key][0].get("turn", 0))
     keep_if_room = set(rows["pending"])
     gen = {"max_new_tokens": max_new_tokens, "temperature": temperature} if regenerate else None  # seeds: plan_rows
+    tok = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
+    published = {key: Future() for key in todo}  # a row's answer once it is stored (None: nothing to answer)
+
+    def answer_of(key: str) -> str | None:
+        if key in published:
+            return published[key].result()
+        samples = read_row(key, streamed=not have_row(key))["samples"]
+        return samples[0]["response"] if samples else None
+
+    def turn_prompt(req: dict) -> list[int] | None:
+        """A later turn's prompt ids: its context with the verifier's stored answers in place of the data's."""
+        context = list(req["context"])
+        for pos, key in zip(req["answered"], req["answer_keys"]):
+            text = answer_of(key)
+            if text is None:
+                return None
+            context[pos] = {"role": "assistant", "content": text}
+        ids = chat_prompt_ids(tok, context, template_kwargs)
+        return ids if len(ids) < max_seq_len else None
 
     t0, tokens, generated, fleet, kept_bytes = time.perf_counter(), 0, 0, None, 0
     if todo:
         if not engines:
             raise RuntimeError(f"{len(todo)} rows need the verifier but no engine was started")
         fleet = Fleet([engines] if isinstance(engines, Engine) else engines)
-        tok = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
         for engine in fleet.engines:
             probe(engine, tok, num_layers)
         with httpx.Client(timeout=httpx.Timeout(REQUEST_TIMEOUT, connect=60),
                           limits=httpx.Limits(max_connections=IN_FLIGHT)) as client, \
                 ThreadPoolExecutor(IN_FLIGHT) as pool:
-            futures = {(key, j): pool.submit(_sent, fleet, client, req, gen)
+            futures = {(key, j): pool.submit(_sent, fleet, client, req, gen, turn_prompt)
                        for key in todo for j, req in enumerate(planned[key])}
             try:
                 for count, key in enumerate(todo, 1):
                     samples, engine_of_row, row_tokens = [], None, 0
                     for j, req in enumerate(planned[key]):
-                        answer, saved = _answer_and_states(fleet, futures.pop((key, j)), pool, client, req, gen)
-                        ids, mask, hs = _sample(req, saved, max_seq_len, regenerate)
+                        answer, saved = _answer_and_states(fleet, futures.pop((key, j)), pool, client, req, gen,
+                                                           turn_prompt)
+                        if saved is None:  # a later turn past data.max_seq_len: the row holds no sample
+                            continue
+                        ids, mask, hs = _sample(dict(req, prompt_ids=answer["prompt_ids"]), saved, max_seq_len,
+                                                regenerate)
                         samples.append({"input_ids": ids, "loss_mask": mask, "hidden_states": hs,
                                         "response": answer["text"] if regenerate else None})
                         generated += answer["generated"]
@@ -366,6 +435,7 @@ def generate_and_capture(engines: Engine | list[Engine] | None, tokenizer_path: 
                     else:
                         publish_row(key, samples, dtype)
                         kept_bytes += row_bytes(key)
+                    published[key].set_result(samples[0]["response"] if samples else None)
                     tokens += row_tokens
                     fleet.credit(engine_of_row, row_tokens)
                     if progress:
@@ -373,21 +443,21 @@ def generate_and_capture(engines: Engine | list[Engine] | None, tokenizer_path: 
             finally:
                 for f in futures.values():  # interrupted: do not send what is still queued
                     f.cancel()
+                for f in published.values():  # and let a later turn waiting on an unanswered one end
+                    if not f.done():
+                        f.set_result(None)
     seconds = time.perf_counter() - t0
 
     keys = list(planned)
-    digests = assemble(out, keys, set(todo), to_stream)
+    tag_ids = reasoning_tag_ids(tok, reasoning_tags)
+    digests = assemble(out, keys, set(todo), to_stream, None if reasoning_in_loss else tag_ids)
     from datasets import load_from_disk
 
     ds = load_from_disk(str(out))
     masks = ds["loss_mask"]
     if regenerate:
-        rows = read_conversations(conversations_file)
-        with (out / "responses.jsonl").open("w") as f:
-            for key in keys:
-                for req, s in zip(planned[key], read_row(key, streamed=key in to_stream)["samples"]):
-                    msgs = prompt_part(rows[req["row"]]) + [{"role": "assistant", "content": s["response"]}]
-                    f.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
+        write_responses(out / "responses.jsonl", planned, read_conversations(conversations_file), to_stream, turns)
+    answer_tokens, reasoning_tokens = answer_split(keys, to_stream, tag_ids)
     streamed_samples = sum(len(read_row(key, streamed=True)["samples"]) for key in to_stream)
     return {
         "samples": len(ds),
@@ -415,7 +485,58 @@ def generate_and_capture(engines: Engine | list[Engine] | None, tokenizer_path: 
         "file_sha256": digests,
         "rows_linked": [key for key in keys if key not in to_stream],  # a streamed row's ids are in the view
         "engines": fleet.shares() if fleet else [],
+        "longest_sample": int(max(ds["seq_len"], default=0)),
+        "samples_at_max_seq_len": sum(1 for n in ds["seq_len"] if n >= max_seq_len),
+        "answer_tokens": answer_tokens,  # the verifier's answers' tokens (the whole loss when reasoning is in it)
+        "reasoning_tokens": reasoning_tokens,  # of those, in reasoning blocks (data.reasoning_tags); None: no tags
+        "reasoning_in_loss": reasoning_in_loss,
+        "turns": turns,
     }
+
+
+def write_responses(path: Path, planned: dict[str, list[dict]], rows: list[list[dict]], streamed: set[str],
+                    turns: str = "last") -> None:
+    """responses.jsonl: each stored answer as a conversation, its context as the verifier saw it (the earlier
+    turns' answers in place of the data's under data.regenerate_turns=all)."""
+    answers: dict[str, str | None] = {}
+    with path.open("w") as f:
+        for key, reqs in planned.items():
+            samples = read_row(key, streamed=key in streamed)["samples"]
+            answers[key] = samples[0]["response"] if samples else None
+            for req, s in zip(reqs, samples):
+                if "turn" in req:
+                    context = list(req["context"])
+                    for pos, earlier in zip(req["answered"], req["answer_keys"]):
+                        context[pos] = {"role": "assistant", "content": answers[earlier]}
+                else:
+                    msgs = rows[req["row"]]
+                    context = msgs[: answer_positions(msgs)[0]] if turns == "all" else prompt_part(msgs)
+                msgs = context + [{"role": "assistant", "content": s["response"]}]
+                f.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
+
+
+def answer_split(keys: list[str], streamed: set[str], tag_ids: tuple[int, int] | None) -> tuple[int, int | None]:
+    """(answer tokens, of them reasoning tokens) over the rows' samples: the loss mask as captured marks the
+    answer; reasoning is told by its tags (None when the verifier's vocabulary has no such tokens)."""
+    answer, reasoning = 0, 0
+    for key in keys:
+        for j, meta in enumerate(read_row(key, streamed=key in streamed)["samples"]):
+            mask = meta["loss_mask"]
+            if 1 not in mask:
+                continue
+            answer += sum(mask)
+            if tag_ids is not None:
+                ids = meta["input_ids"] if key in streamed else _row_ids(key, j)
+                start = mask.index(1)
+                reasoning += sum(f and m for f, m in zip(reasoning_flags(ids, start, tag_ids), mask[start:]))
+    return answer, reasoning if tag_ids is not None else None
+
+
+def _row_ids(key: str, j: int) -> list[int]:
+    from safetensors import safe_open
+
+    with safe_open(str(row_path(key) / f"hs_{j}.safetensors"), "pt") as f:
+        return f.get_tensor("token_ids").tolist()
 
 
 def plan_for_run(verifier, data_dir: str, cfg, plan_file: Path) -> tuple[int, int]:
@@ -424,6 +545,7 @@ def plan_for_run(verifier, data_dir: str, cfg, plan_file: Path) -> tuple[int, in
     settings = run_capture_settings(verifier, cfg)
     planned, skipped = plan_rows(verifier.path, Path(data_dir) / "train.jsonl", verifier.fingerprint, settings,
                                  verifier.trust_remote_code)
+    check_held_out_rendering(verifier, data_dir, cfg)
     token_bytes = bytes_per_token(len(settings["layers"]), get_text_hidden_size(verifier.path), e.dtype)
     budget = budget_bytes(cfg)
     if budget is not None:
@@ -431,6 +553,21 @@ def plan_for_run(verifier, data_dir: str, cfg, plan_file: Path) -> tuple[int, in
     write_plan(plan_file, planned, skipped)
     rows, _ = decide_rows(planned, cfg.data.regenerate, e.states, budget, token_bytes)
     return len(planned), len(rows["keep"]) + len(rows["pending"]) + len(rows["stream_compute"])
+
+
+def check_held_out_rendering(verifier, data_dir: str, cfg) -> None:
+    """Before any load: the held-out rows (the smoke test's prompts) render with the run's template settings, and
+    reasoning can be left out of the loss only where the verifier has one-token reasoning tags."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(verifier.path, trust_remote_code=verifier.trust_remote_code)
+    d = cfg.data
+    check_rendering(tok, read_conversations(Path(data_dir) / "eval.jsonl"), d.chat_template_kwargs,
+                    f"{Path(data_dir) / 'eval.jsonl'}")
+    if not d.reasoning_in_loss and reasoning_tag_ids(tok, d.reasoning_tags) is None:
+        raise EagletError(f"data.reasoning_in_loss=false needs data.reasoning_tags {list(d.reasoning_tags)} to be "
+                          "one token each in the verifier's vocabulary, and they are not: set the verifier's own "
+                          "reasoning tags")
 
 
 def budget_bytes(cfg) -> int | None:
@@ -447,7 +584,9 @@ def capture_for_run(engines: list[Engine] | None, verifier, data_dir: str, out: 
         capture_layers(verifier.aux_layer_ids, verifier.num_layers), d.max_seq_len, cfg.extraction.dtype,
         d.regenerate, d.max_new_tokens, d.temperature, d.responses_per_prompt, d.seed, verifier.trust_remote_code,
         progress, fingerprint=verifier.fingerprint, engine_dtype=capture_engine_dtype(cfg),
-        plan=Path(plan) if plan else None, states=cfg.extraction.states, budget_bytes=budget_bytes(cfg))
+        plan=Path(plan) if plan else None, states=cfg.extraction.states, budget_bytes=budget_bytes(cfg),
+        turns=d.regenerate_turns, template_kwargs=d.chat_template_kwargs, reasoning_tags=d.reasoning_tags,
+        reasoning_in_loss=d.reasoning_in_loss)
 
 
 def view_for_run(engines: list[Engine] | None, verifier, data_dir: str, out: Path, cfg, progress, plan: str | None,
@@ -468,12 +607,12 @@ def baseline_from_engine(out: Path, engines: list[Engine], verifier, data_dir: s
         raise EngineError("no capture engine answers any more for the smoke baseline")
 
     answers = greedy_answers(engine, verifier.path, held_out_prompts(data_dir, cfg), cfg.smoke.max_tokens,
-                             verifier.trust_remote_code)
+                             verifier.trust_remote_code, cfg.data.chat_template_kwargs)
     return write_baseline(out, answers, engine="capture")
 
 
 def greedy_answers(engine: Engine, tokenizer_path: str, prompts: list[list[dict]], max_tokens: int,
-                   trust_remote_code: bool = False) -> dict:
+                   trust_remote_code: bool = False, template_kwargs: dict | None = None) -> dict:
     """The verifier's greedy answers to `prompts` from the capture engine while it is up: the token ids and the
     batch's speed, in the form of an offline vLLM job's result (eaglet.evaluate.smoke's baseline). The engine captures
     these prompts' states too (its method cannot be turned off per request); they are read and dropped.
@@ -483,7 +622,7 @@ def greedy_answers(engine: Engine, tokenizer_path: str, prompts: list[list[dict]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
-    requests = [chat_prompt_ids(tok, conv) for conv in prompts]
+    requests = [chat_prompt_ids(tok, conv, template_kwargs) for conv in prompts]
 
     def answer(client, ids: list[int]) -> list[int]:
         body = {"model": engine.served_name, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,

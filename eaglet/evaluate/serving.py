@@ -127,6 +127,8 @@ def _serve(verifier: str, cfg, runs: list[dict], progress=None, draft: str | Non
            k: int | None = None, answers: dict | None = None) -> dict:
     job = {"verifier": verifier, "dtype": cfg.smoke.dtype, "max_model_len": max_model_len(cfg),
            "runs": runs, "server_env": vllm_env()}
+    if cfg.data.chat_template_kwargs:  # data.chat_template_kwargs: the suites' prompts rendered as capture's were
+        job["chat_template_kwargs"] = cfg.data.chat_template_kwargs
     if answers:
         job["answers"] = answers
     if draft:
@@ -205,7 +207,8 @@ def evaluate_draft(verifier: str, draft: str, method: str, trained_k: int, cfg, 
         done += len(runs)
         load_seconds[k] = res["load_seconds"]
         if smoke_here:
-            (out / SMOKE_ANSWERS_FILE).write_text(json.dumps(res["answers"]))
+            joins = {"ends": answers["ends"], "max_tokens": answers["max_tokens"]}  # smoke.join_phases
+            (out / SMOKE_ANSWERS_FILE).write_text(json.dumps(res["answers"] | joins))
         if k not in ks:
             continue
         rows += [_level_row(k, c, res["runs"][f"level/{c}"]) for c in lv]
@@ -236,11 +239,13 @@ def evaluate_draft(verifier: str, draft: str, method: str, trained_k: int, cfg, 
 
 
 def evaluate_for_run(verifier: str, draft: str, verifier_alone_dir: str | Path, method: str, trained_k: int, cfg,
-                     out: Path, left_out: set[str], data_dir: str | Path, progress=None) -> dict:
+                     out: Path, left_out: set[str], data_dir: str | Path, smoke_baseline_dir: str | Path,
+                     progress=None) -> dict:
     """The run's evaluation: the draft against the kept verifier-alone artifact, with the run's smoke test answered
-    by its trained k's server (method and k are the draft architecture's, DraftArchitecture.method and .k)."""
+    by its trained k's server (method and k are the draft architecture's, DraftArchitecture.method and .k; the
+    smoke baseline splits reasoning from the final answer)."""
     return evaluate_draft(verifier, draft, method, trained_k, cfg, read_verifier_alone(verifier_alone_dir), out,
-                          left_out, progress, answers_job(data_dir, cfg))
+                          left_out, progress, answers_job(verifier, data_dir, smoke_baseline_dir, cfg))
 
 
 def with_speedup(rows: list[dict], alone: list[dict]) -> list[dict]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from eaglet.data import prompt_part, read_conversations
+from eaglet.data import chat_ids, prompt_part, read_conversations, reasoning_end, reasoning_tag_ids
 from eaglet.errors import EagletError
 from eaglet.vllm import run_job
 
@@ -47,6 +47,11 @@ class SmokeResult(BaseModel):
     drafts: int
     accepted_tokens: int
     mismatched_prompts: int
+    # With data.reasoning_tags in the verifier's vocabulary and answers that open with a reasoning block: the share
+    # of the verifier's answer tokens that are reasoning, and the draft's acceptance on each part (None otherwise).
+    reasoning_share: float | None = None
+    acceptance_reasoning: float | None = None
+    acceptance_answer: float | None = None
 
 
 LOADER_PACKAGES = {"fastsafetensors": "fastsafetensors", "runai_streamer": "runai_model_streamer"}
@@ -89,18 +94,64 @@ def load_prompts(prompts_file: str | Path, num_prompts: int | None = None) -> li
     return convs[:num_prompts] if num_prompts else convs
 
 
-def _job(verifier: str, prompts: list[list[dict]], max_tokens: int, max_model_len: int, dtype: str,
-         load_format: str) -> dict:
-    return {"verifier": verifier, "conversations": prompts, "max_tokens": max_tokens, "max_model_len": max_model_len,
-            "temperature": 0.0, "dtype": dtype, "load_format": load_format}
+def _tokenizer(verifier: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(verifier)
+
+
+def render_prompts(verifier: str, prompts: list[list[dict]], template_kwargs: dict | None = None) -> list[list[int]]:
+    """The held-out prompts as the verifier's template renders them (eaglet.data.chat_ids: their tools,
+    data.chat_template_kwargs), as capture renders its prompts: every engine is sent token ids."""
+    tok = _tokenizer(verifier)
+    return [chat_ids(tok, conv, True, template_kwargs) for conv in prompts]
+
+
+def whole_answers(prompt_ids: list[list[int]], max_tokens: int) -> list[list[dict]]:
+    """One phase: every prompt answered in full (a job's "phases", eaglet.vllm.worker)."""
+    return [[{"prompt_ids": ids, "max_tokens": max_tokens} for ids in prompt_ids]]
+
+
+def split_phases(prompt_ids: list[list[int]], baseline_ids: list[list[int]], max_tokens: int,
+                 tag_ids: tuple[int, int] | None) -> tuple[list[list[dict]], list[list[int]] | None]:
+    """The draft's smoke phases: where the verifier's answers open with a reasoning block, first each prompt
+    answered up to the block's end (max_tokens: its length), then each prompt with its block appended answered on
+    (the final answer): two counter readings, acceptance on each part. Greedy decoding is lossless, so the draft's
+    path through the reasoning is the verifier's, and the second phase sees the context it would have seen.
+    Returns the phases and, per prompt, its reasoning length (None: one phase, no reasoning in any answer)."""
+    ends = [reasoning_end(base, ids, tag_ids) for ids, base in zip(prompt_ids, baseline_ids)]
+    if not any(ends):
+        return whole_answers(prompt_ids, max_tokens), None
+    reasoning = [{"prompt_ids": ids, "max_tokens": e} for ids, e in zip(prompt_ids, ends) if e]
+    answer = [{"prompt_ids": ids + base[:e], "max_tokens": max_tokens - e}
+              for ids, base, e in zip(prompt_ids, baseline_ids, ends) if e < max_tokens]
+    return [reasoning, answer], ends
+
+
+def join_phases(result: dict, ends: list[int] | None, max_tokens: int) -> dict:
+    """A phased decode result as one answer per prompt (its reasoning part, then the rest), with each part's
+    counters under "split"."""
+    if ends is None:
+        return result
+    reasoning, answer = (iter(p["token_ids"]) for p in result["phases"])
+    joined = [[(next(reasoning)[0] if e else []) + (next(answer)[0] if e < max_tokens else [])] for e in ends]
+    return result | {"token_ids": joined, "split": {"reasoning": result["phases"][0]["spec"],
+                                                    "answer": result["phases"][1]["spec"], "reasoning_tokens": sum(ends)}}
+
+
+def _job(verifier: str, phases: list[list[dict]], max_model_len: int, dtype: str, load_format: str) -> dict:
+    return {"verifier": verifier, "phases": phases, "max_model_len": max_model_len, "temperature": 0.0,
+            "dtype": dtype, "load_format": load_format}
 
 
 def measure_baseline(verifier: str, prompts: list[list[dict]], out: Path, max_tokens: int = 128,
-                     max_model_len: int = 2048, dtype: str = "float32", load_format: str = "auto") -> dict:
+                     max_model_len: int = 2048, dtype: str = "float32", load_format: str = "auto",
+                     template_kwargs: dict | None = None) -> dict:
     """The verifier alone on the prompts: greedy token ids, tokens/s, its engine's start; written to
     out/baseline.json with when and on which machine it was measured."""
     check_load_format(load_format)
-    return write_baseline(out, run_job(_job(verifier, prompts, max_tokens, max_model_len, dtype, load_format)))
+    phases = whole_answers(render_prompts(verifier, prompts, template_kwargs), max_tokens)
+    return write_baseline(out, run_job(_job(verifier, phases, max_model_len, dtype, load_format)))
 
 
 def write_baseline(out: Path, base: dict, engine: str = "offline") -> dict:
@@ -135,19 +186,25 @@ def read_baseline(baseline_dir: str | Path) -> dict:
 def smoke_test(
     verifier: str, draft: str, prompts: list[list[dict]], method: str, k: int, max_tokens: int = 128,
     max_model_len: int = 2048, dtype: str = "float32", load_format: str = "auto", baseline: dict | None = None,
+    template_kwargs: dict | None = None, reasoning_tags: tuple[str, str] = ("<think>", "</think>"),
 ) -> SmokeResult:
     """dtype: the verifier's compute dtype. In bfloat16 on CPU, verifying k+1 tokens at once rounds differently
     from decoding one, so greedy near-ties flip (15 of 40 SmolLM2 prompts diverged here, 0 in float32):
     float32 makes `lossless` a test of the draft path rather than of bf16 rounding. baseline: a
     `measure_baseline` result for the same verifier, prompts and settings (else it is measured here)."""
     check_load_format(load_format)
-    job = _job(verifier, prompts, max_tokens, max_model_len, dtype, load_format)
+    prompt_ids = render_prompts(verifier, prompts, template_kwargs)
     reused = baseline is not None
     if baseline is None:
-        baseline = _baseline(run_job(job))
+        baseline = _baseline(run_job(_job(verifier, whole_answers(prompt_ids, max_tokens), max_model_len, dtype,
+                                          load_format)))
     else:
         _check_baseline(baseline, len(prompts))  # before the engine with the draft loads
-    return smoke_result(run_job(dict(job, draft=str(draft), k=k, method=method)), baseline, method, k, reused)
+    phases, ends = split_phases(prompt_ids, [b[0] for b in baseline["token_ids"]], max_tokens,
+                                reasoning_tag_ids(_tokenizer(verifier), reasoning_tags))
+    spec = run_job(dict(_job(verifier, phases, max_model_len, dtype, load_format), draft=str(draft), k=k,
+                        method=method))
+    return smoke_result(join_phases(spec, ends, max_tokens), baseline, method, k, reused)
 
 
 def _check_baseline(baseline: dict, num_prompts: int) -> None:
@@ -165,6 +222,13 @@ def smoke_result(spec: dict, baseline: dict, method: str, k: int, reused: bool =
     drafts = counts["drafts"]
     per_pos = [a / drafts if drafts else 0.0 for a in counts["accepted_per_pos"]]
     mismatched = sum(1 for a, b in zip(baseline["token_ids"], spec["token_ids"]) if a != b)
+    split = {}
+    if spec.get("split"):
+        r, a = spec["split"]["reasoning"], spec["split"]["answer"]
+        answer_tokens = sum(len(b[0]) for b in baseline["token_ids"])
+        split = {"reasoning_share": spec["split"]["reasoning_tokens"] / answer_tokens if answer_tokens else 0.0,
+                 "acceptance_reasoning": 1.0 + r["accepted"] / r["drafts"] if r["drafts"] else None,
+                 "acceptance_answer": 1.0 + a["accepted"] / a["drafts"] if a["drafts"] else None}
     return SmokeResult(
         method=method,
         num_speculative_tokens=k,
@@ -183,6 +247,7 @@ def smoke_result(spec: dict, baseline: dict, method: str, k: int, reused: bool =
         drafts=drafts,
         accepted_tokens=counts["accepted"],
         mismatched_prompts=mismatched,
+        **split,
     )
 
 
@@ -200,18 +265,26 @@ def held_out_prompts(data_dir: str | Path, cfg) -> list[list[dict]]:
 def baseline_for_run(out: Path, verifier: str, data_dir: str | Path, cfg) -> dict:
     s = cfg.smoke
     return measure_baseline(verifier, held_out_prompts(data_dir, cfg), out, max_tokens=s.max_tokens,
-                            max_model_len=smoke_max_model_len(cfg), dtype=s.dtype, load_format=s.load_format)
+                            max_model_len=smoke_max_model_len(cfg), dtype=s.dtype, load_format=s.load_format,
+                            template_kwargs=cfg.data.chat_template_kwargs)
 
 
-def answers_job(data_dir: str | Path, cfg) -> dict:
+def answers_job(verifier: str, data_dir: str | Path, baseline_dir: str | Path, cfg) -> dict:
     """The smoke test as a job for the evaluation's server with the draft (eaglet.vllm.serving's job["answers"]),
-    so that an evaluated run starts no engine of its own for it."""
-    return {"conversations": held_out_prompts(data_dir, cfg), "max_tokens": cfg.smoke.max_tokens}
+    so that an evaluated run starts no engine of its own for it: its phases (split_phases, from the kept
+    baseline), and what joins them again ("ends", "max_tokens")."""
+    prompt_ids = render_prompts(verifier, held_out_prompts(data_dir, cfg), cfg.data.chat_template_kwargs)
+    baseline = read_baseline(baseline_dir)
+    _check_baseline(baseline, len(prompt_ids))
+    phases, ends = split_phases(prompt_ids, [b[0] for b in baseline["token_ids"]], cfg.smoke.max_tokens,
+                                reasoning_tag_ids(_tokenizer(verifier), cfg.data.reasoning_tags))
+    return {"phases": phases, "ends": ends, "max_tokens": cfg.smoke.max_tokens}
 
 
 def smoke_from_evaluation(evaluation_dir: str | Path, baseline_dir: str | Path, method: str, k: int) -> SmokeResult:
     """The smoke test answered by the evaluation's server at the trained k (evaluate-draft), against the baseline."""
     answers = json.loads((Path(evaluation_dir) / SMOKE_ANSWERS_FILE).read_text())
+    answers = join_phases(answers, answers.get("ends"), answers.get("max_tokens", 0))
     return smoke_result(answers | {"load_seconds": 0.0}, read_baseline(baseline_dir), method, k, engine="evaluation")
 
 
@@ -224,4 +297,5 @@ def smoke_for_run(verifier: str, draft: str, data_dir: str | Path, baseline_dir:
     s = cfg.smoke
     return smoke_test(verifier, draft, held_out_prompts(data_dir, cfg), method=method, k=k,
                       max_tokens=s.max_tokens, max_model_len=smoke_max_model_len(cfg), dtype=s.dtype,
-                      load_format=s.load_format, baseline=read_baseline(baseline_dir))
+                      load_format=s.load_format, baseline=read_baseline(baseline_dir),
+                      template_kwargs=cfg.data.chat_template_kwargs, reasoning_tags=cfg.data.reasoning_tags)

@@ -102,6 +102,33 @@ def _states_line(report: dict) -> list[str]:
     return [line]
 
 
+def _acc(value: float | None) -> str:
+    return f"**{value:.3f}**" if value is not None else "nothing drafted"
+
+
+def _answer_lines(report: dict) -> list[str]:
+    """What the verifier's answers hold (reasoning, turns) and what training's step does to the longest samples."""
+    x, p = report.get("extraction") or {}, report["params"]
+    if not x.get("answer_tokens"):
+        return []
+    lines = []
+    if x.get("reasoning_tokens") is not None:
+        share = x["reasoning_tokens"] / x["answer_tokens"]
+        lines.append(f"- reasoning: {share:.1%} of the verifier's {x['answer_tokens']} answer tokens are in reasoning "
+                     f"blocks ({' '.join(p['data']['reasoning_tags'])}); "
+                     + ("in the loss" if x.get("reasoning_in_loss", True) else "left out of the loss "
+                        "(data.reasoning_in_loss=false)"))
+    if x.get("turns") == "all":
+        lines.append(f"- every assistant turn answered by the verifier (data.regenerate_turns=all): {x['samples']} "
+                     f"samples, one per answered turn")
+    if x.get("longest_sample"):
+        step = p["training"]["total_seq_len"]
+        lines.append(f"- longest sample {x['longest_sample']} tokens; {x.get('samples_at_max_seq_len', 0)} cut at "
+                     f"data.max_seq_len at capture; speculators truncates a sample longer than training.total_seq_len "
+                     f"({step}) to it: " + ("none here" if x["longest_sample"] <= step else "some here, raise it"))
+    return lines
+
+
 def render_markdown(report: dict) -> str:
     v = report["verifier"]
     d = report.get("draft") or {"architecture": report["params"]["draft"].get("architecture", DEFAULT_ARCHITECTURE)}
@@ -115,6 +142,7 @@ def render_markdown(report: dict) -> str:
         f"- data: {report.get('data_summary') or report['artifacts']['data']}",
         *_engine_shares((report.get("extraction") or {}).get("engines") or []),
         *_states_line(report),
+        *_answer_lines(report),
         f"- draft ({d['architecture']}, {d.get('served_form', 'what vLLM loads')}): `{report['draft_dir']}`",
         f"- speculators checkpoint: `{report['speculators_dir']}`",
         f"- verifier weight loads before training: {report['verifier_loads']}; engine loads by stage: "
@@ -145,6 +173,9 @@ def render_markdown(report: dict) -> str:
             f"- mean acceptance length: **{s['mean_acceptance_length']:.3f}** (1 + accepted / drafts; at most "
             f"{s['num_speculative_tokens'] + 1})",
             "- acceptance per position: " + ", ".join(f"{a:.3f}" for a in s["acceptance_per_position"]),
+            *([f"- on reasoning (the verifier's reasoning blocks, {s['reasoning_share']:.1%} of its answer tokens): "
+               + _acc(s.get("acceptance_reasoning")) + "; on the final answer (after the block): "
+               + _acc(s.get("acceptance_answer"))] if s.get("reasoning_share") is not None else []),
             f"- speculators' validation, delivered epoch ({d.get('score_meaning', 'the architecture score')}): "
             + (f"{report['validation_acceptance']:.3f}" if report.get("validation_acceptance") else "not available"),
             "- simulated decoding on those validation rows (drafts start where the previous step ended; a token "

@@ -9,11 +9,11 @@ spec-decode counters (scraped from /metrics before and after each run) are vLLM'
 A run: {"name", "dataset" (a JSONL of {"prompt"}), "num_prompts", "concurrency", "max_tokens", "texts"
 (keep the generated texts, in dataset order)}. The result: {"load_seconds", "runs": {name: figures}}.
 
-job["answers"] ({"conversations", "max_tokens"}): the smoke test on this server, before the runs: every
-conversation at once (the batch an offline engine would run), greedy through the chat endpoint, which renders a
-conversation as LLM.chat does, with vLLM's `return_token_ids`; the result's "answers" has the token ids, tokens/s
-and the spec-decode counters around them (read by vLLM's benchmark's own /metrics reader), in the form of
-eaglet.vllm.worker's decode result.
+job["answers"] ({"phases"}: lists of {"prompt_ids", "max_tokens"}, prompts rendered by eaglet.data.chat_ids): the
+smoke test on this server, before the runs: each phase's prompts all at once (the batch an offline engine would
+run), greedy through the completions endpoint with vLLM's `return_token_ids`; the result's "answers" has the token
+ids, tokens/s and the spec-decode counters around each phase (read by vLLM's benchmark's own /metrics reader), in
+the form of eaglet.vllm.worker's phased decode result.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 import time
 
 from eaglet.vllm.server import free_port, wait_healthy
-from eaglet.vllm.worker import report, serve, spec_delta
+from eaglet.vllm.worker import report, serve, spec_delta, sum_spec
 
 SERVED_NAME = "eaglet-eval"
 WARMUPS = 4  # requests before a server's first measured run (vLLM's --num-warmups: not in any figure)
@@ -55,7 +55,9 @@ def bench_argv(job: dict, run: dict, port: int) -> list[str]:
             "--dataset-path", run["dataset"], "--num-prompts", str(run["num_prompts"]), "--disable-shuffle",
             "--custom-output-len", str(run["max_tokens"]), "--max-concurrency", str(run["concurrency"]),
             "--request-rate", "inf", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
-            "--metric-percentiles", "50,99", "--disable-tqdm", "--ready-check-timeout-sec", "0", "--seed", "0"]
+            "--metric-percentiles", "50,99", "--disable-tqdm", "--ready-check-timeout-sec", "0", "--seed", "0"] \
+        + (["--chat-template-kwargs", json.dumps(job["chat_template_kwargs"])]  # the benchmark renders the prompts
+           if job.get("chat_template_kwargs") else [])
 
 
 def answers(job: dict, port: int) -> dict:
@@ -66,30 +68,35 @@ def answers(job: dict, port: int) -> dict:
 
     base, a = f"http://127.0.0.1:{port}", job["answers"]
 
-    async def one(session, conversation: list[dict]) -> list[int]:
-        body = {"model": SERVED_NAME, "messages": conversation, "max_tokens": a["max_tokens"], "temperature": 0.0,
-                "return_token_ids": True}
-        async with session.post(f"{base}/v1/chat/completions", json=body) as r:
+    async def one(session, request: dict) -> list[int]:
+        body = {"model": SERVED_NAME, "prompt": request["prompt_ids"], "max_tokens": request["max_tokens"],
+                "temperature": 0.0, "return_token_ids": True}
+        async with session.post(f"{base}/v1/completions", json=body) as r:
             if r.status != 200:
                 raise RuntimeError(f"the vLLM server answered {r.status}: {(await r.text())[:500]}")
             return list((await r.json())["choices"][0]["token_ids"])
 
-    async def all_at_once():
+    async def phase_by_phase():
+        done = []
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-            before = await fetch_spec_decode_metrics(base, session)
-            t0 = time.perf_counter()
-            ids = await asyncio.gather(*(one(session, c) for c in a["conversations"]))
-            seconds = time.perf_counter() - t0
-            return ids, seconds, before, await fetch_spec_decode_metrics(base, session)
+            for phase in a["phases"]:
+                before = await fetch_spec_decode_metrics(base, session)
+                t0 = time.perf_counter()
+                ids = await asyncio.gather(*(one(session, request) for request in phase))
+                seconds = time.perf_counter() - t0
+                done.append((ids, seconds, before, await fetch_spec_decode_metrics(base, session)))
+        return done
 
-    ids, seconds, before, after = asyncio.run(all_at_once())
-    tokens = sum(map(len, ids))
-    out = {"token_ids": [[i] for i in ids], "seconds": seconds, "output_tokens": tokens,
-           "tokens_per_s": tokens / seconds if seconds else 0.0}
-    if after is not None:
-        width = max(after.accepted_per_pos, default=-1) + 1
-        out["spec"] = spec_delta(_counters(before, width), _counters(after, width))
-    return out
+    phases = []
+    for ids, seconds, before, after in asyncio.run(phase_by_phase()):
+        width = max(after.accepted_per_pos, default=-1) + 1 if after is not None else 0
+        spec = spec_delta(_counters(before, width), _counters(after, width))
+        phases.append({"token_ids": [[i] for i in ids], "seconds": seconds, "spec": spec})
+    token_ids = [ids for p in phases for ids in p["token_ids"]]
+    seconds, tokens = sum(p["seconds"] for p in phases), sum(len(i[0]) for i in token_ids)
+    return {"token_ids": token_ids, "seconds": seconds, "output_tokens": tokens,
+            "tokens_per_s": tokens / seconds if seconds else 0.0, "phases": phases,
+            "spec": sum_spec([p["spec"] for p in phases])}
 
 
 def _counters(m, width: int) -> dict:

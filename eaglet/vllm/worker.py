@@ -6,6 +6,9 @@ process. A job is a JSON file; the result is written to job["out"] as JSON.
 Modes:
   generate: answer conversations with the verifier (regeneration).
   decode:   generate greedily on prompts, optionally with a draft (job["method"]), and read the spec-decode counters.
+            job["phases"] (lists of {"prompt_ids", "max_tokens"}: prompts rendered by eaglet.data.chat_ids) in
+            place of conversations: the phases run one after the other, each with its own counters (the smoke
+            test's reasoning and final-answer parts).
 Options: "chunk" (conversations per generate call), "warmup" (one short generation first), "batch1" (then
 time the first N conversations one at a time).
 """
@@ -98,12 +101,47 @@ def spec_delta(before: dict, after: dict) -> dict:
             "accepted_per_pos": [a - b for a, b in zip(after["per_pos"], per_pos_before)]}
 
 
+def run_phases(llm, job: dict, load_seconds: float) -> dict:
+    """Token-id prompts, phase by phase: each phase's answers, seconds and spec-decode counters; the result's
+    token_ids are every phase's answers in order, and its spec the sum."""
+    from vllm import SamplingParams, TokensPrompt
+
+    phases, total_seconds, token_ids = [], 0.0, []
+    for phase in job["phases"]:
+        prompts = [TokensPrompt(prompt_token_ids=p["prompt_ids"]) for p in phase]
+        params = [SamplingParams(temperature=0.0, max_tokens=p["max_tokens"]) for p in phase]
+        before, t0 = spec_counters(llm), time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False) if phase else []
+        seconds = time.perf_counter() - t0
+        ids = [[list(c.token_ids) for c in o.outputs] for o in outputs]
+        phases.append({"token_ids": ids, "seconds": seconds, "spec": spec_delta(before, spec_counters(llm))})
+        total_seconds += seconds
+        token_ids += ids
+    n_tokens = sum(len(t[0]) for t in token_ids)
+    result = {"token_ids": token_ids, "seconds": total_seconds, "output_tokens": n_tokens,
+              "tokens_per_s": n_tokens / total_seconds if total_seconds else 0.0, "load_seconds": load_seconds,
+              "phases": phases}
+    if job.get("draft"):
+        result["spec"] = sum_spec([p["spec"] for p in phases])
+    return result
+
+
+def sum_spec(deltas: list[dict]) -> dict:
+    width = max((len(d["accepted_per_pos"]) for d in deltas), default=0)
+    return {"drafts": sum(d["drafts"] for d in deltas), "draft_tokens": sum(d["draft_tokens"] for d in deltas),
+            "accepted": sum(d["accepted"] for d in deltas),
+            "accepted_per_pos": [sum(d["accepted_per_pos"][i] if i < len(d["accepted_per_pos"]) else 0
+                                     for d in deltas) for i in range(width)]}
+
+
 def run(job: dict) -> dict:
     from vllm import SamplingParams
 
     t_load = time.perf_counter()
     llm = _engine(job)
     load_seconds = time.perf_counter() - t_load  # the engine's start: weights, KV cache, warm-up of the runner
+    if "phases" in job:
+        return run_phases(llm, job, load_seconds)
     convs = job["conversations"]
     params = [SamplingParams(n=job.get("n", 1), temperature=job.get("temperature", 0.0), max_tokens=job["max_tokens"],
                              seed=seed) for seed in request_seeds(job)]
