@@ -62,6 +62,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     arch = registry.for_run(params)  # and settings that do not fit the draft architecture
     if params.evaluates:
         serving.check(params, arch.k(params))  # suites that do not exist or are empty, k above the trained one
+    _check_conversations(params)
     _prefect_env()
     from flows.train_eagle3 import train_eagle3  # imports Prefect, which reads its settings at import: set first
 
@@ -75,6 +76,21 @@ def cmd_run(args: argparse.Namespace) -> int:
               f"lossless={smoke['lossless']}")
     print(f"report: {Path(args.output_dir) / 'report.md'}")
     return 0
+
+
+def _check_conversations(params) -> None:
+    """The data files' rows (their tool turns) and, for a verifier given by its directory, how its chat template
+    renders them (tools, data.chat_template_kwargs, reasoning tags), before Prefect starts; the flow checks the same
+    again before its load (a deployment's run never passes here)."""
+    from eaglet.data import DEFAULT_PROMPTS, check_template_settings, read_conversations
+
+    d, v = params.data, params.verifier
+    rows = {f: read_conversations(f) for f in filter(None, [d.path or str(DEFAULT_PROMPTS), d.eval_path])}
+    if v.path and Path(v.path).is_dir():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(v.path, trust_remote_code=v.trust_remote_code)
+        check_template_settings(tok, rows, d.chat_template_kwargs, d.reasoning_tags, d.reasoning_in_loss)
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:

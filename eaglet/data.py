@@ -113,10 +113,10 @@ def _check_tool_turns(messages: list[dict], tools: list[dict] | None, line_no: i
         elif m["role"] == "tool":
             if not open_calls:
                 raise EagletError(f"{where} is a tool result with no tool call before it to answer")
-            ids = [c.get("id") for c in open_calls]
-            if m.get("tool_call_id") is not None and m["tool_call_id"] not in ids:
-                raise EagletError(f"{where} answers tool call id {m['tool_call_id']!r}, which no open call has")
-            open_calls.pop(ids.index(m["tool_call_id"]) if m.get("tool_call_id") in ids else 0)
+            ids, answered = [c.get("id") for c in open_calls], m.get("tool_call_id")
+            if answered is not None and answered not in ids:
+                raise EagletError(f"{where} answers tool call id {answered!r}, which no open call has")
+            open_calls.pop(ids.index(answered) if answered is not None else 0)
         else:
             open_calls = []
 
@@ -189,10 +189,16 @@ def template_variables(tokenizer) -> set[str] | None:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    from jinja2 import nodes
+
     try:
-        return set(meta.find_undeclared_variables(env.parse(src)))
+        tree = env.parse(src)
     except Exception:
         return None
+    # a name set inside a block ({% if %}{% set x %}) is still "undeclared" to jinja: the template's own, not a setting
+    assigned = {n.name for node in tree.find_all((nodes.Assign, nodes.For))
+                for n in [node.target, *node.target.find_all(nodes.Name)] if isinstance(n, nodes.Name)}
+    return set(meta.find_undeclared_variables(tree)) - assigned
 
 
 def check_rendering(tokenizer, rows: list[list[dict]], template_kwargs: dict, what: str) -> None:
@@ -213,6 +219,17 @@ def check_rendering(tokenizer, rows: list[list[dict]], template_kwargs: dict, wh
         if any(m.get("tool_calls") for m in messages) and "tool_calls" not in src:
             raise EagletError(f"{what} row {n} has tool calls, but the verifier's chat template does not render "
                               "assistant tool_calls: use a verifier whose template does, or drop those turns")
+
+
+def check_template_settings(tokenizer, rows_by_file: dict, template_kwargs: dict, reasoning_tags, reasoning_in_loss: bool,
+                            ) -> None:
+    """A run's conversations against the verifier's template (check_rendering, each file), and reasoning left out
+    of the loss only where the verifier has one-token reasoning tags: before any load."""
+    for name, rows in rows_by_file.items():
+        check_rendering(tokenizer, rows, template_kwargs, str(name))
+    if not reasoning_in_loss and reasoning_tag_ids(tokenizer, reasoning_tags) is None:
+        raise EagletError(f"data.reasoning_in_loss=false needs data.reasoning_tags {list(reasoning_tags)} to be one "
+                          "token each in the verifier's vocabulary, and they are not: set the verifier's own tags")
 
 
 def reasoning_tag_ids(tokenizer, tags: tuple[str, str] | list[str]) -> tuple[int, int] | None:

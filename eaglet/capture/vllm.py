@@ -28,8 +28,8 @@ from eaglet.capture.fleet import EngineGone, Fleet, describe_shares
 from eaglet.capture.rows import (assemble, have_row, have_streamed_row, publish_row, publish_streamed_row, read_row,
                                  row_bytes, row_key, row_path, set_view_content, turn_key)
 from eaglet.capture.shards import bytes_per_token, get_text_hidden_size
-from eaglet.data import (assistant_mask, chat_ids, check_rendering, prompt_part, read_conversations, reasoning_flags,
-                         reasoning_tag_ids)
+from eaglet.data import (assistant_mask, chat_ids, chat_messages, check_rendering, check_template_settings,
+                         prompt_part, read_conversations, reasoning_flags, reasoning_tag_ids, tools_of)
 from eaglet.errors import EagletError
 from eaglet.capture import CAPTURE_VERSIONS
 from eaglet.capture.engine import capture_engine_dtype, capture_layers
@@ -511,8 +511,9 @@ def write_responses(path: Path, planned: dict[str, list[dict]], rows: list[list[
                 else:
                     msgs = rows[req["row"]]
                     context = msgs[: answer_positions(msgs)[0]] if turns == "all" else prompt_part(msgs)
-                msgs = context + [{"role": "assistant", "content": s["response"]}]
-                f.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
+                msgs = chat_messages(context) + [{"role": "assistant", "content": s["response"]}]
+                tools = {"tools": tools_of(context)} if tools_of(context) else {}
+                f.write(json.dumps({"messages": msgs, **tools}, ensure_ascii=False) + "\n")
 
 
 def answer_split(keys: list[str], streamed: set[str], tag_ids: tuple[int, int] | None) -> tuple[int, int | None]:
@@ -556,18 +557,14 @@ def plan_for_run(verifier, data_dir: str, cfg, plan_file: Path) -> tuple[int, in
 
 
 def check_held_out_rendering(verifier, data_dir: str, cfg) -> None:
-    """Before any load: the held-out rows (the smoke test's prompts) render with the run's template settings, and
-    reasoning can be left out of the loss only where the verifier has one-token reasoning tags."""
+    """Before any load: the held-out rows (the smoke test's prompts) render with the run's template settings
+    (eaglet.data.check_template_settings; plan_rows checks the training rows)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(verifier.path, trust_remote_code=verifier.trust_remote_code)
-    d = cfg.data
-    check_rendering(tok, read_conversations(Path(data_dir) / "eval.jsonl"), d.chat_template_kwargs,
-                    f"{Path(data_dir) / 'eval.jsonl'}")
-    if not d.reasoning_in_loss and reasoning_tag_ids(tok, d.reasoning_tags) is None:
-        raise EagletError(f"data.reasoning_in_loss=false needs data.reasoning_tags {list(d.reasoning_tags)} to be "
-                          "one token each in the verifier's vocabulary, and they are not: set the verifier's own "
-                          "reasoning tags")
+    d, held = cfg.data, Path(data_dir) / "eval.jsonl"
+    check_template_settings(tok, {held: read_conversations(held)}, d.chat_template_kwargs, d.reasoning_tags,
+                            d.reasoning_in_loss)
 
 
 def budget_bytes(cfg) -> int | None:
