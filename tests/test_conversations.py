@@ -176,3 +176,32 @@ def test_thinking_verifier_tags_are_single_tokens(thinking, tiny_verifier):
 def test_config_lists_the_new_settings():
     cfg = load_config(None, ["data.regenerate_turns=all", "data.chat_template_kwargs={\"enable_thinking\": true}"])
     assert cfg.data.regenerate_turns == "all" and cfg.data.chat_template_kwargs == {"enable_thinking": True}
+
+
+def test_smoke_phases_split_reasoning_from_the_final_answer_and_join_again():
+    from eaglet.evaluate.smoke import join_phases, smoke_result, split_phases
+
+    tags, prompts = (7, 8), [[1, 7], [1, 2], [1, 7]]  # prompts 0 and 2 open a reasoning block; prompt 1 does not
+    baseline_ids = [[3, 8, 5, 6], [4, 5, 6, 9], [8, 6, 6, 6]]
+    phases, ends = split_phases(prompts, baseline_ids, 4, tags)
+    assert ends == [2, 0, 1]
+    assert phases[0] == [{"prompt_ids": [1, 7], "max_tokens": 2}, {"prompt_ids": [1, 7], "max_tokens": 1}]
+    assert phases[1] == [{"prompt_ids": [1, 7, 3, 8], "max_tokens": 2}, {"prompt_ids": [1, 2], "max_tokens": 4},
+                         {"prompt_ids": [1, 7, 8], "max_tokens": 3}]
+    spec = {"drafts": 2, "draft_tokens": 6, "accepted": 2, "accepted_per_pos": [2, 0, 0]}
+    none = {"drafts": 4, "draft_tokens": 12, "accepted": 0, "accepted_per_pos": [0, 0, 0]}
+    result = {"phases": [{"token_ids": [[[3, 8]], [[8]]], "spec": spec},
+                         {"token_ids": [[[5, 6]], [[4, 5, 6, 9]], [[6, 6, 6]]], "spec": none}],
+              "spec": {"drafts": 6, "draft_tokens": 18, "accepted": 2, "accepted_per_pos": [2, 0, 0]},
+              "tokens_per_s": 1.0, "load_seconds": 0.0}
+    joined = join_phases(result, ends, 4)
+    assert joined["token_ids"] == [[b] for b in baseline_ids]
+    baseline = {"token_ids": [[b] for b in baseline_ids], "tokens_per_s": 1.0, "load_seconds": 0.0,
+                "measured_at": "now", "host": "here"}
+    r = smoke_result(joined, baseline, "eagle3", 3)
+    assert r.lossless and r.reasoning_share == 3 / 12 and r.acceptance_reasoning == 2.0 and r.acceptance_answer == 1.0
+    # no answer opens a block: one phase, as before, and no split in the result
+    phases, ends = split_phases(prompts[1:2], baseline_ids[1:2], 4, tags)
+    assert ends is None and len(phases) == 1 and smoke_result(
+        {"token_ids": [[baseline_ids[1]]], "spec": none, "tokens_per_s": 1.0, "load_seconds": 0.0},
+        {**baseline, "token_ids": [[baseline_ids[1]]]}, "eagle3", 3).reasoning_share is None

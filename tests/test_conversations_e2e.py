@@ -14,7 +14,7 @@ import pytest
 from safetensors import safe_open
 
 from eaglet.capture.engine import start_for_run, stop_for_run
-from eaglet.capture.rows import assemble, read_row, row_path, view_rows
+from eaglet.capture.rows import read_row, row_path, view_rows
 from eaglet.capture.vllm import capture_for_run
 from eaglet.config import load_config
 from eaglet.data import TOOLS, chat_ids, reasoning_flags, reasoning_tag_ids
@@ -111,20 +111,24 @@ def test_captured_ids_are_what_the_template_renders_for_the_regenerated_conversa
 
 
 def test_reasoning_is_in_the_loss_by_default_and_out_when_asked(agent, tmp_path):
+    """data.reasoning_in_loss=false: the same rows (every one known, no engine), a view whose masks leave the
+    reasoning blocks out."""
+    from datasets import load_from_disk
     from transformers import AutoTokenizer
 
     tags = reasoning_tag_ids(AutoTokenizer.from_pretrained(agent["verifier"]), ("<think>", "</think>"))
     view = Path(agent["report"]["artifacts"]["hidden_states"])
-    keys = view_rows(view)["rows"]
+    cfg = agent["cfg"].model_copy(update={"data": agent["cfg"].data.model_copy(update={"reasoning_in_loss": False})})
     out = tmp_path / "view"
     out.mkdir()
-    assemble(out, keys, set(), drop_reasoning=tags)  # the view data.reasoning_in_loss=false trains on
-    from datasets import load_from_disk
-
+    stats = capture_for_run(None, resolve_verifier(str(agent["verifier"])), agent["report"]["artifacts"]["data"], out,
+                            cfg, None, None)
+    assert stats["rows_computed"] == 0 and not stats["reasoning_in_loss"]
     kept, dropped = load_from_disk(str(view)), load_from_disk(str(out))
+    assert [i.tolist() for i in kept["input_ids"]] == [i.tolist() for i in dropped["input_ids"]]
     for ids, full, cut in zip(kept["input_ids"], kept["loss_mask"], dropped["loss_mask"]):
         ids, full, cut = ids.tolist(), full.tolist(), cut.tolist()
         start = full.index(1)
         flags = [False] * start + reasoning_flags(ids, start, tags)
-        assert all(full[i] for i in range(start, len(ids)))  # the whole answer, reasoning included
+        assert all(full[i] for i in range(start, len(ids)))  # by default the whole answer, reasoning included
         assert cut == [0 if f else m for m, f in zip(full, flags)] and sum(flags) >= 4 and sum(cut) > 0

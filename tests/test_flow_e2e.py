@@ -124,14 +124,14 @@ def test_flat_and_nested_forms_are_the_same_draft_in_vllm(e2e_run, tiny_verifier
     """vLLM loads both forms; the converter must not change a single greedy token or acceptance count. The flat
     form's figures are the run's own smoke test (same prompts, job and engine settings): one engine here."""
     from eaglet.config import load_config
-    from eaglet.evaluate.smoke import _job, smoke_max_model_len
+    from eaglet.evaluate.smoke import _job, render_prompts, smoke_max_model_len, whole_answers
     from eaglet.vllm import run_job
 
     r = e2e_run["report"]
     cfg = load_config(None, [s.removeprefix("--set=") for s in e2e_run["sets"]])
     prompts = load_prompts(Path(r["artifacts"]["data"]) / "eval.jsonl", cfg.smoke.num_prompts)
-    job = _job(str(tiny_verifier), prompts, cfg.smoke.max_tokens, smoke_max_model_len(cfg), cfg.smoke.dtype,
-               cfg.smoke.load_format)
+    phases = whole_answers(render_prompts(str(tiny_verifier), prompts), cfg.smoke.max_tokens)
+    job = _job(str(tiny_verifier), phases, smoke_max_model_len(cfg), cfg.smoke.dtype, cfg.smoke.load_format)
     nested = run_job(dict(job, draft=str(e2e_run["out"] / "draft-speculators"), k=registry.for_run(cfg).k(cfg),
                           method=registry.for_run(cfg).method))
     flat = r["smoke"]  # the flat draft in the same job: the run's smoke-test
