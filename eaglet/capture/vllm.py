@@ -389,15 +389,10 @@ def generate_and_capture(engines: Engine | list[Engine] | None, tokenizer_path: 
         return samples[0]["response"] if samples else None
 
     def turn_prompt(req: dict) -> list[int] | None:
-        """A later turn's prompt ids: its context with the verifier's stored answers in place of the data's."""
-        context = list(req["context"])
-        for pos, key in zip(req["answered"], req["answer_keys"]):
-            text = answer_of(key)
-            if text is None:
-                return None
-            context[pos] = {"role": "assistant", "content": text}
-        ids = chat_prompt_ids(tok, context, template_kwargs)
-        return ids if len(ids) < max_seq_len else None
+        """A later turn's prompt ids (None: an earlier turn has no answer, or no room is left)."""
+        context = turn_context(req, answer_of)
+        ids = chat_prompt_ids(tok, context, template_kwargs) if context is not None else []
+        return ids if context is not None and len(ids) < max_seq_len else None
 
     t0, tokens, generated, fleet, kept_bytes = time.perf_counter(), 0, 0, None, 0
     if todo:
@@ -494,6 +489,18 @@ def generate_and_capture(engines: Engine | list[Engine] | None, tokenizer_path: 
     }
 
 
+def turn_context(req: dict, answer_of) -> list[dict] | None:
+    """A later turn's context: the data's messages before it with the verifier's answers (answer_of(row key)) in
+    place of the data's assistant turns; None when one of those turns has no answer."""
+    context = list(req["context"])
+    for pos, key in zip(req["answered"], req["answer_keys"]):
+        text = answer_of(key)
+        if text is None:
+            return None
+        context[pos] = {"role": "assistant", "content": text}
+    return context
+
+
 def write_responses(path: Path, planned: dict[str, list[dict]], rows: list[list[dict]], streamed: set[str],
                     turns: str = "last") -> None:
     """responses.jsonl: each stored answer as a conversation, its context as the verifier saw it (the earlier
@@ -505,9 +512,7 @@ def write_responses(path: Path, planned: dict[str, list[dict]], rows: list[list[
             answers[key] = samples[0]["response"] if samples else None
             for req, s in zip(reqs, samples):
                 if "turn" in req:
-                    context = list(req["context"])
-                    for pos, earlier in zip(req["answered"], req["answer_keys"]):
-                        context[pos] = {"role": "assistant", "content": answers[earlier]}
+                    context = turn_context(req, answers.get)
                 else:
                     msgs = rows[req["row"]]
                     context = msgs[: answer_positions(msgs)[0]] if turns == "all" else prompt_part(msgs)
